@@ -1,0 +1,36 @@
+# Two commands do all set-up on a fresh Linux machine with Python 3.11+:
+#   make lab    - creates .venv on first use, installs kdtree, starts JupyterLab on notebooks/
+#   make test   - the same environment, then the test suite (what CI runs)
+# TORCH picks the torch pip installs: default `torch` from PyPI (a CUDA build on Linux);
+# CI passes a CPU build, e.g. TORCH="torch==2.13.0" or TORCH="torch --index-url https://download.pytorch.org/whl/cpu".
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch
+EXTRAS ?= lab,dev
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kdtree-installed
+
+.PHONY: lab test test-gpu captures clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab --notebook-dir=notebooks
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# Needs a CUDA GPU; on a machine without one the GPU tests skip with a reason.
+test-gpu:
+	python3 -m pytest -q -m gpu tests
+
+captures: $(STAMP)
+	data/captured_batches/regenerate.sh $(BIN)/kdtree
+
+clean:
+	rm -rf $(VENV) .pytest_cache

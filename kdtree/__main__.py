@@ -1,0 +1,3 @@
+from kdtree.cli import main
+
+main()

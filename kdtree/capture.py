@@ -1,0 +1,361 @@
+"""Capture format v1: one TARGET_VERIFY `forward_extend` step of one TP rank, in one safetensors file.
+
+Tensor names are SGLang's (see docs/capture-format.md). Layer-independent tensors sit at the top level;
+per-layer tensors are namespaced `layers.<id>.<name>`. The pool is stored sparsely: the rows the step
+references (`layers.<id>.kv_buffer`) at the slot ids `kv_buffer_slots`, plus `pool_size`/`page_size`
+so a kernel sees SGLang's original slot numbering in a rebuilt pool whose other slots are NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+FORMAT_NAME = "kdtree-capture"
+FORMAT_VERSION = 1
+
+SHARED_TENSORS = ("qo_indptr", "kv_indptr", "kv_indices", "out_cache_loc", "custom_mask", "mask_indptr", "seq_lens")
+OPTIONAL_SHARED_TENSORS = ("positions",)
+POOL_SLOTS = "kv_buffer_slots"
+LAYER_TENSORS = ("q", "k", "o", "kv_buffer")
+OPTIONAL_LAYER_TENSORS = ("v", "lse")
+
+
+class CaptureError(ValueError):
+    """A capture that breaks a rule of the format: says which file, which tensor and which rule."""
+
+    def __init__(self, where: str | os.PathLike | None, tensor: str | None, message: str):
+        self.where, self.tensor, self.rule = (str(where) if where is not None else "<capture>"), tensor, message
+        super().__init__(f"{self.where}: {tensor}: {message}" if tensor else f"{self.where}: {message}")
+
+
+def layer_key(layer_id: int, name: str) -> str:
+    return f"layers.{layer_id}.{name}"
+
+
+@dataclass
+class CaptureMeta:
+    """Everything about a capture that is not a tensor."""
+
+    num_heads: int  # H per rank
+    sm_scale: float  # layer.scaling, read from the layer
+    layer_ids: list[int]
+    pool_size: int  # kv_buffer has pool_size + page_size rows; slot 0 is padding
+    page_size: int = 1
+    logit_cap: float = 0.0
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    model: str = "unknown"
+    tp_rank: int = 0
+    tp_size: int = 1
+    spec_algorithm: str = "unknown"  # DDTREE, EAGLE, DFLASH, ...
+    tree_budget: int | None = None
+    num_draft_tokens: int | None = None
+    source: dict[str, Any] = field(default_factory=lambda: {"kind": "unknown"})
+    reference: str = "unknown"  # what produced `o`: "sglang:triton extend_attention_fwd", "kdtree:oracle-fp64", ...
+    sglang_version: str | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.kv_lora_rank
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str) -> "CaptureMeta":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise CaptureError(where, None, f"metadata has unknown fields {unknown}")
+        try:
+            meta = cls(**raw)
+        except TypeError as e:
+            raise CaptureError(where, None, f"metadata is missing fields ({e})") from None
+        meta.check(where)
+        return meta
+
+    def check(self, where: str) -> None:
+        def bad(msg: str) -> CaptureError:
+            return CaptureError(where, None, f"metadata: {msg}")
+
+        for name in ("num_heads", "pool_size", "page_size", "kv_lora_rank", "qk_rope_head_dim", "tp_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise bad(f"tp_rank {self.tp_rank!r} must lie in [0, tp_size={self.tp_size})")
+        if not isinstance(self.sm_scale, (int, float)) or not self.sm_scale > 0:
+            raise bad(f"sm_scale must be > 0, got {self.sm_scale!r}")
+        if not isinstance(self.logit_cap, (int, float)) or self.logit_cap < 0:
+            raise bad(f"logit_cap must be >= 0 (0 = off), got {self.logit_cap!r}")
+        if not self.layer_ids or not all(isinstance(x, int) and x >= 0 for x in self.layer_ids):
+            raise bad(f"layer_ids must be a non-empty list of layer numbers, got {self.layer_ids!r}")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise bad(f"layer_ids has duplicates: {self.layer_ids}")
+        if not isinstance(self.source, dict) or "kind" not in self.source:
+            raise bad("source must be an object with a 'kind' ('sglang' or 'synthetic')")
+
+
+class _Tensors:
+    """Name -> tensor, read on first use from an open safetensors file (memory-mapped) or a dict."""
+
+    def __init__(self, handle=None, tensors: Mapping[str, torch.Tensor] | None = None):
+        self._handle = handle
+        self._cache: dict[str, torch.Tensor] = dict(tensors or {})
+        self.names = set(handle.keys()) if handle is not None else set(self._cache)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._cache:
+            self._cache[name] = self._handle.get_tensor(name)
+        return self._cache[name]
+
+    def header(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(dtype name, shape) without reading the data."""
+        if self._handle is not None and name not in self._cache:
+            sl = self._handle.get_slice(name)
+            return sl.get_dtype(), tuple(sl.get_shape())
+        t = self._cache[name]
+        return _ST_DTYPES_INV[t.dtype], tuple(t.shape)
+
+
+_ST_DTYPES_INV = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+}
+
+
+@dataclass
+class Layer:
+    """One layer's tensors (read lazily)."""
+
+    capture: "Capture"
+    layer_id: int
+
+    def _get(self, name: str) -> torch.Tensor | None:
+        key = layer_key(self.layer_id, name)
+        return self.capture._tensors.get(key) if key in self.capture._tensors else None
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self._get("q")
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self._get("k")
+
+    @property
+    def v(self) -> torch.Tensor:
+        v = self._get("v")
+        return v if v is not None else self.k[..., : self.capture.meta.v_head_dim]
+
+    @property
+    def o(self) -> torch.Tensor:
+        return self._get("o")
+
+    @property
+    def lse(self) -> torch.Tensor | None:
+        return self._get("lse")
+
+    @property
+    def kv_buffer_rows(self) -> torch.Tensor:
+        """[R, 1, 576] pool rows at `capture.kv_buffer_slots`."""
+        return self._get("kv_buffer")
+
+
+class Capture:
+    """A validated TARGET_VERIFY capture. Build with `load()` or `Capture.from_tensors()`."""
+
+    def __init__(self, meta: CaptureMeta, tensors: _Tensors, path: Path | None = None):
+        self.meta = meta
+        self._tensors = tensors
+        self.path = path
+
+    # ----- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_tensors(cls, meta: CaptureMeta, tensors: Mapping[str, torch.Tensor], *, validate: bool = True) -> "Capture":
+        cap = cls(meta, _Tensors(tensors={k: v.contiguous() for k, v in tensors.items()}))
+        if validate:
+            from kdtree.validate import validate_capture
+
+            validate_capture(cap)
+        return cap
+
+    def tensor_dict(self) -> dict[str, torch.Tensor]:
+        """Every stored tensor, read into memory."""
+        return {name: self._tensors.get(name) for name in sorted(self._tensors.names)}
+
+    @property
+    def where(self) -> str:
+        return str(self.path) if self.path is not None else "<capture>"
+
+    # ----- raw SGLang tensors (qo_indptr, kv_indptr, ... are properties, set below the class) ------
+    def layer(self, layer_id: int) -> Layer:
+        if layer_id not in self.meta.layer_ids:
+            raise KeyError(f"{self.where}: no layer {layer_id}; layers: {self.meta.layer_ids}")
+        return Layer(self, layer_id)
+
+    # ----- derived per-request facts -------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return int(self.qo_indptr.numel()) - 1
+
+    @cached_property
+    def prefix_lens(self) -> torch.Tensor:
+        return (self.kv_indptr[1:] - self.kv_indptr[:-1]).long()
+
+    @cached_property
+    def num_draft(self) -> torch.Tensor:
+        """N per request (SGLang uses one N for the whole batch; the format allows any)."""
+        return (self.qo_indptr[1:] - self.qo_indptr[:-1]).long()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qo_indptr[-1])
+
+    def prefix_slots(self, b: int) -> torch.Tensor:
+        return self.kv_indices[int(self.kv_indptr[b]) : int(self.kv_indptr[b + 1])]
+
+    def draft_slots(self, b: int) -> torch.Tensor:
+        return self.out_cache_loc[int(self.qo_indptr[b]) : int(self.qo_indptr[b + 1])]
+
+    def mask_rows(self, b: int) -> torch.Tensor:
+        """Request b's custom mask as SGLang lays it out: [N, prefix_len + N] (row stride prefix_len + N)."""
+        p, n = int(self.prefix_lens[b]), int(self.num_draft[b])
+        start = int(self.mask_indptr[b])
+        return self.custom_mask[start : start + n * (p + n)].view(n, p + n)
+
+    def tree_block(self, b: int) -> torch.Tensor:
+        """[N, N] bool: the draft-to-draft part of request b's mask."""
+        return self.mask_rows(b)[:, int(self.prefix_lens[b]) :].bool()
+
+    def parents(self, b: int):
+        from kdtree.trees import parents_from_mask
+
+        return parents_from_mask(self.tree_block(b).numpy())
+
+    def depths(self, b: int):
+        from kdtree.trees import depths
+
+        return depths(self.parents(b))
+
+    # ----- the pool -----------------------------------------------------------------------------
+    def pool(self, layer_id: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        """kv_buffer as SGLang had it, [pool_size + page_size, 1, 576] bf16; slots the step does not
+        reference are NaN, so a kernel that reads a wrong slot shows it."""
+        m = self.meta
+        buf = torch.full((m.pool_size + m.page_size, 1, m.head_dim), float("nan"), dtype=torch.bfloat16, device=device)
+        buf[self.kv_buffer_slots.to(device)] = self.layer(layer_id).kv_buffer_rows.to(device)
+        return buf
+
+    # ----- batch surgery (used by tests and notebooks) ------------------------------------------
+    def select(self, requests: list[int]) -> "Capture":
+        """A capture of just these requests (same pool numbering)."""
+        from kdtree.surgery import select_requests
+
+        return select_requests(self, requests)
+
+    def __repr__(self) -> str:
+        m = self.meta
+        return (
+            f"Capture({self.where}, bs={self.batch_size}, N={sorted(set(self.num_draft.tolist()))}, H={m.num_heads}, "
+            f"layers={m.layer_ids}, source={m.source.get('kind')})"
+        )
+
+
+def _stored(name: str, doc: str) -> property:
+    return property(lambda self: self._tensors.get(name) if name in self._tensors else None, doc=doc)
+
+
+for _name, _doc in {
+    "qo_indptr": "[bs+1] query offsets (int32 in SGLang)",
+    "kv_indptr": "[bs+1] cumsum of prefix lengths (committed tokens only)",
+    "kv_indices": "[kv_indptr[bs]] pool slots of the prefixes only",
+    "out_cache_loc": "[T] pool slots holding the draft tokens' k",
+    "custom_mask": "flat bool/uint8; per request row-major [N, prefix_len + N]",
+    "mask_indptr": "[bs+1] start of each request's mask block",
+    "seq_lens": "[bs] prefix lengths",
+    "positions": "[T] rotary positions = prefix_len + depth (optional)",
+    POOL_SLOTS: "[R] sorted slot ids of the stored pool rows",
+}.items():
+    setattr(Capture, _name, _stored(_name, _doc))
+
+
+def header_json(meta: CaptureMeta, version: int = FORMAT_VERSION) -> str:
+    """The file's metadata: format name and version, and the capture's CaptureMeta."""
+    return json.dumps({"format": FORMAT_NAME, "format_version": version, "meta": dataclasses.asdict(meta)}, sort_keys=True)
+
+
+# ----- I/O ----------------------------------------------------------------------------------------
+def load(path: str | os.PathLike, *, validate: bool = True) -> Capture:
+    """Open a capture (memory-mapped), check it, and return it. Raises CaptureError, never writes."""
+    path = Path(path)
+    if not path.is_file():
+        raise CaptureError(path, None, "no such file")
+    try:
+        handle = safe_open(str(path), framework="pt")
+        header = handle.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CaptureError(path, None, f"not a readable safetensors file ({e}); truncated or not a capture?") from None
+    try:
+        head = json.loads(header["kdtree"])
+        if not isinstance(head, dict):
+            raise ValueError
+    except (KeyError, ValueError):
+        raise CaptureError(path, None, "not a kdtree capture (no JSON object under safetensors metadata key 'kdtree')") from None
+    if head.get("format") != FORMAT_NAME:
+        raise CaptureError(path, None, f"not a kdtree capture (format is {head.get('format')!r}, expected {FORMAT_NAME!r})")
+    version = head.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CaptureError(path, None, f"unknown format version {version!r}; this kdtree reads version {FORMAT_VERSION}")
+    if not isinstance(head.get("meta"), dict):
+        raise CaptureError(path, None, "metadata has no 'meta' object")
+    meta = CaptureMeta.from_dict(head["meta"], str(path))
+    cap = Capture(meta, _Tensors(handle=handle), path=path)
+    if validate:
+        from kdtree.validate import validate_capture
+
+        validate_capture(cap)
+    return cap
+
+
+def save(capture: Capture, path: str | os.PathLike) -> Path:
+    """Write atomically: a temporary file in the same folder, fsynced, then renamed over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # one metadata key: safetensors does not keep the order of several, and files must be reproducible
+    metadata = {"kdtree": header_json(capture.meta)}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the mode a plain open() would
+    try:
+        save_file(capture.tensor_dict(), tmp, metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

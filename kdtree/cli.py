@@ -1,0 +1,196 @@
+"""`kdtree` command line: info, synth, diff.
+
+Exit codes: 0 success / within tolerance, 1 outside tolerance, 2 bad input (one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import wraps
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+
+from kdtree.capture import CaptureError, load, save
+
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    no_args_is_help=True,
+    help="Workbench for tree-verify MLA attention kernels: captures, references, diffs.",
+)
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"kdtree: error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def bad_input_exits_2(fn):
+    """Turn the errors that mean 'bad input' into one line and exit code 2."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (CaptureError, ValueError, KeyError, IndexError, FileNotFoundError) as e:
+            _fail(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
+
+    return wrapper
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip() != ""]
+    except ValueError:
+        raise ValueError(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{what}: expected at least one integer")
+    return values
+
+
+def _progress(total: int, label: str) -> Progress:
+    """A progress bar on stderr, only when it is a terminal; plain prints go above it."""
+    p = Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty() or total < 2)
+    p.add_task(label, total=total)
+    return p
+
+
+@app.command()
+@bad_input_exits_2
+def info(
+    captures: List[Path] = typer.Argument(..., help="capture files (.safetensors)"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+):
+    """Validate captures and summarise them: batch, prefix lengths, N, heads, tree shape, pool fragmentation."""
+    from kdtree.info import format_summary, summarize
+
+    summaries = [summarize(load(p)) for p in captures]
+    if as_json:
+        typer.echo(json.dumps(summaries, indent=1))
+    else:
+        typer.echo("\n".join(format_summary(s) for s in summaries))
+
+
+@app.command()
+@bad_input_exits_2
+def synth(
+    output: Path = typer.Option(..., "--output", "-o", help="where to write the capture"),
+    preset: str = typer.Option("kimi-k2-tp8", help="kimi-k2-tp8 (H=8), deepseek-v3-tp8 (H=16), kimi-k2-dp (H=64)"),
+    batch: int = typer.Option(1, "--batch", "-b", help="batch size"),
+    prefix: str = typer.Option("1024", help="prefix lengths: one for all requests, or comma-separated, one per request"),
+    tree: str = typer.Option("ddtree", help="ddtree, eagle, chain (DFlash without a tree), star, random"),
+    budget: Optional[int] = typer.Option(None, help="DDTree node budget (N = budget + 1); default 64"),
+    num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", "-n", help="N for the other tree kinds"),
+    topk: Optional[int] = typer.Option(None, help="drafter top-k per position (ddtree 8, eagle 4)"),
+    max_depth: Optional[int] = typer.Option(None, help="ddtree: block size - 1 (15); eagle: steps (5)"),
+    layers: str = typer.Option("0", help="layer ids, comma-separated"),
+    seed: int = typer.Option(0, help="random seed (same seed, same bytes)"),
+    pool_size: Optional[int] = typer.Option(None, help="pool slots (default: 1.5x the referenced ones)"),
+    extreme_logits: bool = typer.Option(False, help="scale logits x8: rows dominated by one key"),
+    logit_cap: float = typer.Option(0.0, help="tanh soft cap (0 = off, as for Kimi/DeepSeek)"),
+    force: bool = typer.Option(False, help="overwrite an existing file"),
+):
+    """Write a synthetic capture in the capture format, with `o` from the fp64 oracle."""
+    from kdtree.synth import SynthSpec, synthesize
+
+    if output.exists() and not force:
+        raise ValueError(f"{output} exists; pass --force to overwrite it")
+    spec = SynthSpec(
+        preset=preset,
+        batch_size=batch,
+        prefix_lens=_int_list(prefix, "--prefix"),
+        tree=tree,
+        budget=budget,
+        num_draft_tokens=num_draft_tokens,
+        topk=topk,
+        max_depth=max_depth,
+        layers=_int_list(layers, "--layers"),
+        seed=seed,
+        pool_size=pool_size,
+        extreme_logits=extreme_logits,
+        logit_cap=logit_cap,
+    )
+    cap = synthesize(spec)
+    save(cap, output)
+    typer.echo(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB): {cap!r}")
+
+
+@app.command()
+@bad_input_exits_2
+def diff(
+    captures: List[Path] = typer.Argument(..., help="capture files (.safetensors)"),
+    impl: Optional[str] = typer.Option(None, help="implementation under test: model (default without a GPU), emulation, oracle, capture"),
+    ref: str = typer.Option("oracle", help="reference: oracle (fp64), capture (the o SGLang produced), emulation"),
+    inject: Optional[str] = typer.Option(None, help="marshaling fault to inject: prefix-only-kv, prefix-stride"),
+    layer: Optional[List[int]] = typer.Option(None, help="only these layers (repeatable)"),
+    tol: float = typer.Option(1e-2, help="pass when rel <= tol (and nothing is NaN or unwritten)"),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when present)"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+):
+    """Run an implementation on captures and diff it against a reference, per layer.
+
+    Prints `[kdtree] L<layer> max_abs_diff=... mean=... rel=...` per layer; exit 0 when every layer
+    passes, 1 when any is outside tolerance, 2 on bad input.
+    """
+    from kdtree.diff import diff_capture
+    from kdtree.impls import IMPLS, default_impl
+    from kdtree.marshal import FAULTS
+
+    impl = impl or default_impl()
+    for name, what in ((impl, "--impl"), (ref, "--ref")):
+        if name not in IMPLS:
+            raise ValueError(f"{what}: unknown implementation {name!r}; expected one of {', '.join(IMPLS)}")
+    if inject is not None and inject not in FAULTS:
+        raise ValueError(f"--inject: unknown fault {inject!r}; expected one of {', '.join(FAULTS)}")
+    if not tol > 0:
+        raise ValueError(f"--tol must be > 0, got {tol}")
+    loaded = [load(p) for p in captures]  # validate every capture before running anything
+    for cap in loaded:
+        for lid in layer or []:
+            if lid not in cap.meta.layer_ids:
+                raise ValueError(f"{cap.where}: --layer {lid} not in the capture's layers {cap.meta.layer_ids}")
+    total = sum(len(layer or cap.meta.layer_ids) for cap in loaded)
+    report, all_passed = [], True
+    with _progress(total, f"diff {impl} vs {ref}") as progress:
+        task = progress.task_ids[0]
+        for cap in loaded:
+            if not as_json:
+                typer.echo(f"{cap.where}  impl={impl} ref={ref}" + (f" inject={inject}" if inject else ""))
+
+            def show(d):
+                progress.advance(task)
+                if not as_json:
+                    typer.echo(d.line())
+                    if not d.passed:
+                        w = d.worst
+                        typer.echo(
+                            f"  worst: request {w['request']} node {w['node']} (depth {w['depth']}) head {w['head']} "
+                            f"abs {w['abs_diff']:.4e} rel {w['rel']:.4e}"
+                        )
+
+            results = diff_capture(cap, impl, ref, fault=inject, layers=layer or None, tolerance=tol, device=device, on_layer=show)
+            passed = all(d.passed for d in results)
+            all_passed &= passed
+            report.append(
+                {"path": cap.where, "impl": impl, "ref": ref, "inject": inject, "passed": passed, "layers": [d.to_json() for d in results]}
+            )
+    if as_json:
+        typer.echo(json.dumps({"passed": all_passed, "tolerance": tol, "captures": report}, indent=1))
+    else:
+        n_layers = sum(len(r["layers"]) for r in report)
+        verdict = "PASS" if all_passed else "FAIL"
+        typer.echo(f"{verdict}: {n_layers} layer(s) of {len(report)} capture(s), tolerance rel <= {tol:g}")
+    raise typer.Exit(0 if all_passed else 1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

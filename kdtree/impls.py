@@ -1,0 +1,58 @@
+"""The implementations `kdtree diff` can run or compare against, by name."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kdtree.capture import Capture
+from kdtree.marshal import marshal
+from kdtree.model import kernel_model
+from kdtree.reference import AttnOutput, emulate_triton, oracle
+
+
+def _oracle(cap: Capture, layer_id: int, device, fault):
+    return oracle(cap, layer_id, device=device)
+
+
+def _emulation(cap: Capture, layer_id: int, device, fault):
+    return emulate_triton(cap, layer_id, device=device)
+
+
+def _model(cap: Capture, layer_id: int, device, fault):
+    args = marshal(cap, fault).to(device)
+    layer = cap.layer(layer_id)
+    return kernel_model(args, layer.q.to(device), cap.pool(layer_id, device), v_head_dim=cap.meta.v_head_dim)
+
+
+def _stored(cap: Capture, layer_id: int, device, fault):
+    layer = cap.layer(layer_id)
+    return AttnOutput(layer.o.to(device), None if layer.lse is None else layer.lse.to(device))
+
+
+# name -> (function, consumes marshaled arguments, description)
+IMPLS: dict[str, tuple[Callable, bool, str]] = {
+    "oracle": (_oracle, False, "fp64 attention from the raw SGLang tensors"),
+    "emulation": (_emulation, False, "SGLang Triton numerics: bf16 in, fp32 accumulate, P rounded to bf16"),
+    "model": (_model, True, "torch model of the CUDA kernel over the marshaled arguments and the NaN pool"),
+    "capture": (_stored, False, "the o/lse stored in the capture (what SGLang's backend produced)"),
+}
+
+
+def default_impl() -> str:
+    return "model"
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_impl(name: str, cap: Capture, layer_id: int, *, fault: str | None = None, device=None) -> AttnOutput:
+    if name not in IMPLS:
+        raise ValueError(f"unknown implementation {name!r}; expected one of {', '.join(IMPLS)}")
+    fn, marshaled, _ = IMPLS[name]
+    if fault is not None and not marshaled:
+        marshaled_names = [k for k, v in IMPLS.items() if v[1]]
+        raise ValueError(f"--inject needs an implementation that reads the marshaled arguments ({', '.join(marshaled_names)}), not {name!r}")
+    return fn(cap, layer_id, device or default_device(), fault)
