@@ -188,6 +188,58 @@ def diff(
     raise typer.Exit(0 if all_passed else 1)
 
 
+@app.command("compile")
+def compile_(
+    arch: List[str] = typer.Option(["sm_120", "sm_90"], "--arch", help="targets (repeatable): sm_120, sm_90, sm_89, ..."),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+):
+    """Cross-compile kernels/verify_mla.cu with NVRTC (no GPU needed) and report registers, spills and
+    shared memory per kernel against each target's limits. Exit 1 on spills or over-limit shared memory."""
+    from kdtree.kernel import ARCH_LIMITS, KernelCompileError, compile_report, source_files
+
+    for a in arch:
+        if a not in ARCH_LIMITS:
+            _fail(f"--arch: unknown target {a!r}; expected one of {', '.join(ARCH_LIMITS)}")
+    try:
+        reports = [r for a in arch for r in compile_report(a)]
+    except KernelCompileError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2)
+    except RuntimeError as e:
+        _fail(str(e))
+    if as_json:
+        import dataclasses
+
+        typer.echo(json.dumps([dataclasses.asdict(r) | {"ok": r.ok} for r in reports], indent=1))
+    else:
+        typer.echo("sources: " + ", ".join(p.name for p in source_files()))
+        for r in reports:
+            typer.echo(r.line())
+    raise typer.Exit(0 if all(r.ok for r in reports) else 1)
+
+
+@app.command()
+def bench(
+    out: Path = typer.Option(Path("bench-out"), "--out", "-o", help="folder for bench.json and bench.png"),
+    case: Optional[List[str]] = typer.Option(None, help="only cases whose name contains this (repeatable)"),
+    no_sglang: bool = typer.Option(False, "--no-sglang", help="skip SGLang's Triton kernel even if importable"),
+):
+    """Time the kernel against SGLang's Triton kernel and plain torch on the anchor cases, with the
+    roofline from ceilings measured in the same run. Needs a CUDA GPU."""
+    from kdtree import bench as b
+    from kdtree.impls import gpu_available
+
+    if not gpu_available():
+        _fail("kdtree bench needs a CUDA GPU and CuPy (pip install -e '.[cuda13]')")
+    cases = [c for c in b.CASES if not case or any(s in c.name for s in case)]
+    if not cases:
+        _fail(f"--case matches none of: {', '.join(c.name for c in b.CASES)}")
+    result = b.run(cases, with_sglang=not no_sglang, log=typer.echo)
+    js, png = b.save(result, out)
+    typer.echo(b.summary_table(result))
+    typer.echo(f"wrote {js} and {png}")
+
+
 def main() -> None:
     app()
 

@@ -26,6 +26,22 @@ def _model(cap: Capture, layer_id: int, device, fault):
     return kernel_model(args, layer.q.to(device), cap.pool(layer_id, device), v_head_dim=cap.meta.v_head_dim)
 
 
+def _cuda(cap: Capture, layer_id: int, device, fault):
+    from kdtree.diff import poisoned
+    from kdtree.kernel import VerifyKernel
+
+    if not str(device).startswith("cuda"):
+        raise ValueError("--impl cuda runs on a GPU; this machine has none (use --impl model)")
+    kern = VerifyKernel.get()
+    args = marshal(cap, fault)
+    layer = cap.layer(layer_id)
+    T, H = cap.num_tokens, cap.meta.num_heads
+    o = poisoned((T, H, cap.meta.v_head_dim), device)
+    lse = torch.full((T, H), float("nan"), device=device)
+    kern.run(args, layer.q.to(device), cap.pool(layer_id, device), o, lse)
+    return AttnOutput(o, lse)
+
+
 def _stored(cap: Capture, layer_id: int, device, fault):
     layer = cap.layer(layer_id)
     return AttnOutput(layer.o.to(device), None if layer.lse is None else layer.lse.to(device))
@@ -36,12 +52,25 @@ IMPLS: dict[str, tuple[Callable, bool, str]] = {
     "oracle": (_oracle, False, "fp64 attention from the raw SGLang tensors"),
     "emulation": (_emulation, False, "SGLang Triton numerics: bf16 in, fp32 accumulate, P rounded to bf16"),
     "model": (_model, True, "torch model of the CUDA kernel over the marshaled arguments and the NaN pool"),
+    "cuda": (_cuda, True, "the CUDA kernel kernels/verify_mla.cu, JIT-compiled with CuPy (needs a GPU)"),
     "capture": (_stored, False, "the o/lse stored in the capture (what SGLang's backend produced)"),
 }
 
 
+def gpu_available() -> bool:
+    """A CUDA GPU that torch sees and CuPy to drive it."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def default_impl() -> str:
-    return "model"
+    """The CUDA kernel where there is a GPU, else its torch model."""
+    return "cuda" if gpu_available() else "model"
 
 
 def default_device() -> str:

@@ -28,6 +28,7 @@ PRESETS = {
         ModelPreset("kimi-k2-tp8", "Kimi-K2.x", 8, 64, 0.130861, 8, "tp"),
         ModelPreset("deepseek-v3-tp8", "DeepSeek-V3", 16, 128, 0.135234, 8, "tp", rope_theta=10000.0),
         ModelPreset("kimi-k2-dp", "Kimi-K2.x", 64, 64, 0.130861, 8, "dp"),
+        ModelPreset("deepseek-v3-dp", "DeepSeek-V3", 128, 128, 0.135234, 8, "dp", rope_theta=10000.0),
     )
 }
 

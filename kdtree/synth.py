@@ -137,7 +137,8 @@ def _layer_values(spec: SynthSpec, lid: int, prefix_lens, trees, scale: float, t
 
     def latents(n: int) -> torch.Tensor:
         z = torch.randn(n, LATENT, generator=g)
-        return z / z.pow(2).mean(1, keepdim=True).sqrt() * gain
+        rms = torch.linalg.vector_norm(z, dim=1, keepdim=True).mul_(LATENT**-0.5)
+        return z.div_(rms).mul_(gain)
 
     out = []
     for p, parents in zip(prefix_lens, trees):
@@ -165,8 +166,11 @@ def _layer_values(spec: SynthSpec, lid: int, prefix_lens, trees, scale: float, t
     return out
 
 
-def synthesize(spec: SynthSpec) -> Capture:
-    """Build a validated capture (with `o`/`lse` from the fp64 oracle) from the spec."""
+def synthesize(spec: SynthSpec, *, device: str = "cpu", reference: bool = True) -> Capture:
+    """Build a validated capture from the spec, `o`/`lse` from the fp64 oracle run on `device`.
+
+    `reference=False` leaves `o`/`lse` zero (meta.reference = "none"): for benchmarks, which need inputs only.
+    """
     s = spec.resolved()
     preset = get_preset(s.preset)
     rng = np.random.default_rng(s.seed)
@@ -222,11 +226,11 @@ def synthesize(spec: SynthSpec) -> Capture:
         tree_budget=s.budget,
         num_draft_tokens=s.num_draft_tokens,
         source={"kind": "synthetic", "generator": "kdtree.synth", "kdtree_version": __version__, "spec": dataclasses.asdict(s)},
-        reference="kdtree:oracle-fp64",
+        reference="kdtree:oracle-fp64" if reference else "none",
     )
     draft = Capture.from_tensors(meta, t, validate=False)
-    for lid in s.layers:
-        ref = oracle(draft, lid)
-        t[layer_key(lid, "o")] = ref.o.to(torch.bfloat16)
-        t[layer_key(lid, "lse")] = ref.lse.to(torch.float32)
+    for lid in s.layers if reference else []:
+        ref = oracle(draft, lid, device=device)
+        t[layer_key(lid, "o")] = ref.o.to(torch.bfloat16).cpu()
+        t[layer_key(lid, "lse")] = ref.lse.to(torch.float32).cpu()
     return Capture.from_tensors(meta, t)

@@ -1,0 +1,298 @@
+"""Benchmark v1: the kernel against SGLang's Triton `extend_attention_fwd` (when importable) and a plain
+torch implementation, **in the same run**, with the roofline from ceilings measured in that run.
+
+Timing: `triton.testing.do_bench` medians (it flushes L2 before every repetition), inputs rotated among
+several copies so repeated runs do not measure the cache. FLOPs are the dense count
+sum_b 2 * N * H * (prefix_b + N) * (576 + 512); bytes are q + o + the pool rows the step reads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kdtree.capture import Capture
+from kdtree.marshal import VerifyArgs, marshal
+from kdtree.synth import SynthSpec, synthesize
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    name: str
+    preset: str
+    prefix_lens: tuple[int, ...]
+    num_draft: int  # N = budget + 1
+
+    def spec(self) -> SynthSpec:
+        return SynthSpec(
+            preset=self.preset, batch_size=len(self.prefix_lens), prefix_lens=list(self.prefix_lens), budget=self.num_draft - 1, seed=0
+        )
+
+
+# The eight cases of ../shared/docs/anchors.md
+CASES = [
+    BenchCase("kimi-tp8 small tree", "kimi-k2-tp8", (2048,) * 16, 17),
+    BenchCase("kimi-tp8 ddtree64 4k", "kimi-k2-tp8", (4096,), 65),
+    BenchCase("kimi-tp8 ddtree64 8k x8", "kimi-k2-tp8", (8192,) * 8, 65),
+    BenchCase("kimi-tp8 ddtree256 32k x4", "kimi-k2-tp8", (32768,) * 4, 257),
+    BenchCase("kimi-tp8 ddtree64 128k", "kimi-k2-tp8", (131072,), 65),
+    BenchCase("dsv3-tp8 ddtree64 8k x8", "deepseek-v3-tp8", (8192,) * 8, 65),
+    BenchCase("kimi-dp ddtree32 8k x4", "kimi-k2-dp", (8192,) * 4, 33),
+    BenchCase("kimi-tp8 mixed", "kimi-k2-tp8", (100, 1500, 7000, 20000, 3, 45000), 65),
+]
+
+
+def case_flops(cap: Capture) -> float:
+    H = cap.meta.num_heads
+    n, p = cap.num_draft.double(), cap.prefix_lens.double()
+    return float((2 * n * H * (p + n) * (cap.meta.head_dim + cap.meta.v_head_dim)).sum())
+
+
+def case_bytes(cap: Capture) -> float:
+    T, H = cap.num_tokens, cap.meta.num_heads
+    keys = int((cap.prefix_lens + cap.num_draft).sum())
+    return T * H * (cap.meta.head_dim + cap.meta.v_head_dim) * 2 + keys * cap.meta.head_dim * 2
+
+
+# ----- ceilings ----------------------------------------------------------------------------------
+def measure_ceilings(do_bench) -> dict:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b)
+    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    ms_copy = do_bench(lambda: dst.copy_(src))
+    return {
+        "matmul_bf16_tflops": 2 * n**3 / ms / 1e9,
+        "copy_tbps": 2 * src.numel() * 4 / ms_copy / 1e9,
+        "how": "8192^3 bf16 torch matmul on random data; 1 GiB device copy counting read + write",
+    }
+
+
+# ----- implementations under test ----------------------------------------------------------------
+def _rotations(cap: Capture, copies: int):
+    """`copies` distinct (q, pool) input sets on the GPU."""
+    lid = cap.meta.layer_ids[0]
+    q0, pool0 = cap.layer(lid).q.cuda(), cap.pool(lid, "cuda")
+    sets = [(q0, pool0)]
+    for i in range(1, copies):
+        sets.append((q0.roll(i, dims=1).contiguous(), pool0.roll(i, dims=2).contiguous()))
+    return sets
+
+
+def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
+    from kdtree.kernel import VerifyKernel, Workspace, plan
+
+    kern = VerifyKernel.get()
+    T, H = cap.num_tokens, cap.meta.num_heads
+    p = plan(args, H, kern.num_sms)
+    dev = args.to("cuda")
+    ws = Workspace.for_plan(p)
+    o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(T, H, device="cuda")
+    it = [0]
+
+    def fn():
+        q, pool = sets[it[0] % len(sets)]
+        it[0] += 1
+        kern.launch(p, dev, q, pool, o, lse, ws)
+
+    info = {"chunk": p.chunk, "max_chunks": p.max_chunks, "grid": list(p.grid), "smem": p.config.smem_bytes}
+    return fn, o, info
+
+
+def naive_fn(cap: Capture, args: VerifyArgs, sets):
+    """Per request: gather the keys, two bf16 matmuls, masked fp32 softmax."""
+    T, H = cap.num_tokens, cap.meta.num_heads
+    o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
+    qo = args.qo_indptr.tolist()
+    kvp = args.combined_kv_indptr.tolist()
+    idx = [args.combined_kv_indices[kvp[b] : kvp[b + 1]].long().cuda() for b in range(args.batch_size)]
+    vis = []
+    for b in range(args.batch_size):
+        n, p = qo[b + 1] - qo[b], int(args.prefix_lens[b])
+        m = torch.ones(n, p + n, dtype=torch.bool)
+        m[:, p:] = cap.tree_block(b)
+        vis.append(m.cuda().repeat_interleave(H, 0))
+    scale = args.sm_scale
+    it = [0]
+
+    def fn():
+        q, pool = sets[it[0] % len(sets)]
+        it[0] += 1
+        for b in range(args.batch_size):
+            k = pool[idx[b], 0]
+            s = (q[qo[b] : qo[b + 1]].reshape(-1, 576) @ k.T).float() * scale
+            pr = torch.softmax(s.masked_fill(~vis[b], float("-inf")), dim=-1).to(torch.bfloat16)
+            o[qo[b] : qo[b + 1]] = (pr @ k[:, :512]).view(-1, H, 512)
+
+    return fn, o, {}
+
+
+def sglang_extend_attention():
+    """SGLang's Triton extend_attention_fwd, or None with the reason."""
+    errors = []
+    for mod in ("sglang.kernels.ops.attention.extend_attention", "sglang.srt.layers.attention.triton_ops.extend_attention"):
+        try:
+            m = __import__(mod, fromlist=["extend_attention_fwd"])
+            import sglang
+
+            return m.extend_attention_fwd, f"{mod} (sglang {getattr(sglang, '__version__', '?')})"
+        except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+            errors.append(f"{mod}: {type(e).__name__}: {e}")
+    return None, "; ".join(errors)
+
+
+def sglang_fn(cap: Capture, args: VerifyArgs, sets, extend_attention_fwd):
+    """Called exactly as SGLang's Triton backend does in TARGET_VERIFY (causal, custom mask, prefix skipped)."""
+    lid = cap.meta.layer_ids[0]
+    T, H = cap.num_tokens, cap.meta.num_heads
+    k = cap.layer(lid).k.cuda()
+    v = k[..., :512].contiguous()
+    o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
+    kw = {
+        "k_extend": k,
+        "v_extend": v,
+        "o_extend": o,
+        "qo_indptr": cap.qo_indptr.cuda().to(torch.int32),
+        "kv_indptr": cap.kv_indptr.cuda().to(torch.int32),
+        "kv_indices": cap.kv_indices.cuda().to(torch.int64),
+        "custom_mask": cap.custom_mask.cuda(),
+        "is_causal": True,
+        "mask_indptr": cap.mask_indptr.cuda().to(torch.int64),
+        "max_len_extend": int(cap.num_draft.max()),
+        "k_scale": 1.0,
+        "v_scale": 1.0,
+        "sm_scale": float(cap.meta.sm_scale),
+        "logit_cap": float(cap.meta.logit_cap),
+        "skip_prefix_custom_mask": True,
+    }
+    params = inspect.signature(extend_attention_fwd).parameters
+    missing = [p for p, spec in params.items() if spec.default is inspect.Parameter.empty and p not in kw and p not in ("q_extend", "k_buffer", "v_buffer")]
+    if missing:
+        raise RuntimeError(f"extend_attention_fwd wants arguments this benchmark does not know: {missing}")
+    kw = {k2: v2 for k2, v2 in kw.items() if k2 in params}
+    it = [0]
+
+    def fn():
+        q, pool = sets[it[0] % len(sets)]
+        it[0] += 1
+        extend_attention_fwd(q_extend=q, k_buffer=pool, v_buffer=pool[..., :512], **kw)
+
+    return fn, o, {}
+
+
+# ----- the run -----------------------------------------------------------------------------------
+@dataclass
+class CaseResult:
+    name: str
+    batch_size: int
+    prefix_lens: list[int]
+    num_draft: int
+    num_heads: int
+    flops: float
+    bytes: float
+    floor_ms: float
+    impls: dict = field(default_factory=dict)  # name -> {"ms", "tflops", "floor_fraction", ...}
+
+
+def run(cases=CASES, *, with_sglang: bool = True, min_rotation_bytes: float = 3 * 60e6, log=print) -> dict:
+    import triton.testing
+
+    def do_bench(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    torch.manual_seed(0)
+    ceilings = measure_ceilings(do_bench)
+    log(f"ceilings: bf16 matmul {ceilings['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s")
+    ext, ext_what = sglang_extend_attention() if with_sglang else (None, "not asked for")
+    log(f"SGLang: {ext_what}")
+    results = []
+    for case in cases:
+        cap = synthesize(case.spec(), reference=False)
+        args = marshal(cap)
+        flops, nbytes = case_flops(cap), case_bytes(cap)
+        floor_ms = max(flops / (ceilings["matmul_bf16_tflops"] * 1e9), nbytes / (ceilings["copy_tbps"] * 1e9))
+        copies = max(1, min(6, math.ceil(min_rotation_bytes / max(nbytes, 1))))
+        sets = _rotations(cap, copies)
+        r = CaseResult(case.name, cap.batch_size, cap.prefix_lens.tolist(), case.num_draft, cap.meta.num_heads, flops, nbytes, floor_ms)
+        impls = {"kdtree": lambda: kdtree_fn(cap, args, sets), "torch": lambda: naive_fn(cap, args, sets)}
+        if ext is not None:
+            impls["sglang"] = lambda: sglang_fn(cap, args, sets, ext)
+        outs = {}
+        for name, make in impls.items():
+            try:
+                fn, out, info = make()
+                fn()  # also compiles / autotunes
+                torch.cuda.synchronize()
+                outs[name] = out.clone()
+                ms = do_bench(fn)
+                r.impls[name] = {"ms": ms, "tflops": flops / ms / 1e9, "floor_fraction": floor_ms / ms, **info}
+            except Exception as e:  # noqa: BLE001 - report and go on with the other implementations
+                r.impls[name] = {"error": f"{type(e).__name__}: {e}"}
+        if "kdtree" in outs:
+            ref = outs.get("sglang", outs.get("torch"))
+            if ref is not None:
+                a, b = outs["kdtree"].double(), ref.double()
+                r.impls["kdtree"]["rel_vs_" + ("sglang" if "sglang" in outs else "torch")] = float((a - b).norm() / b.norm())
+        if "sglang" in r.impls and "ms" in r.impls["sglang"] and "ms" in r.impls.get("kdtree", {}):
+            r.impls["kdtree"]["speedup_vs_sglang"] = r.impls["sglang"]["ms"] / r.impls["kdtree"]["ms"]
+        results.append(r)
+        log(format_row(r))
+        del sets
+        torch.cuda.empty_cache()
+    return {
+        "device": torch.cuda.get_device_name(),
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "sglang": ext_what,
+        "ceilings": ceilings,
+        "cases": [asdict(r) for r in results],
+    }
+
+
+def format_row(r: CaseResult) -> str:
+    cells = []
+    for name in ("kdtree", "sglang", "torch"):
+        v = r.impls.get(name)
+        if v is None:
+            continue
+        cells.append(f"{name} {v['ms']:.3f} ms ({v['tflops']:.0f} TF/s)" if "ms" in v else f"{name} ERROR {v['error'][:80]}")
+    k = r.impls.get("kdtree", {})
+    extra = f"  x{k['speedup_vs_sglang']:.2f} vs sglang" if "speedup_vs_sglang" in k else ""
+    extra += f"  floor {r.floor_ms:.3f} ms ({100 * k['floor_fraction']:.0f}% of it)" if "floor_fraction" in k else ""
+    return f"{r.name:28s} " + " | ".join(cells) + extra
+
+
+def summary_table(result: dict) -> str:
+    lines = [
+        f"{result['device']}: bf16 matmul {result['ceilings']['matmul_bf16_tflops']:.0f} TFLOP/s, copy {result['ceilings']['copy_tbps']:.2f} TB/s",
+        f"{'case':28s} {'kdtree ms':>10s} {'sglang ms':>10s} {'torch ms':>10s} {'speedup':>8s} {'TF/s':>6s} {'floor ms':>9s} {'%floor':>7s}",
+    ]
+    for c in result["cases"]:
+        k, s, t = (c["impls"].get(n, {}) for n in ("kdtree", "sglang", "torch"))
+        f = lambda d, key, fmt: format(d[key], fmt) if key in d else "-"  # noqa: E731
+        lines.append(
+            f"{c['name']:28s} {f(k, 'ms', '10.3f')} {f(s, 'ms', '10.3f')} {f(t, 'ms', '10.3f')} {f(k, 'speedup_vs_sglang', '8.2f')} "
+            f"{f(k, 'tflops', '6.0f')} {c['floor_ms']:9.3f} {100 * k.get('floor_fraction', float('nan')):6.0f}%"
+        )
+    return "\n".join(lines)
+
+
+def save(result: dict, out_dir: Path) -> tuple[Path, Path]:
+    from kdtree.plots import bench_figure
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js = out_dir / "bench.json"
+    js.write_text(json.dumps(result, indent=1))
+    png = out_dir / "bench.png"
+    bench_figure(result).savefig(png, dpi=110, bbox_inches="tight")
+    return js, png

@@ -1,0 +1,400 @@
+"""The CUDA verify kernel: source tracking, cross-compile reports (NVRTC, no GPU needed), CuPy JIT and launch.
+
+- `compile_report(arch)` compiles `kernels/verify_mla.cu` with NVRTC for any target (sm_120, sm_90, ...)
+  on a machine without a GPU and returns, per kernel, registers, spills, stack and shared memory, checked
+  against the target's limits.
+- `VerifyKernel` JIT-compiles the same source with CuPy for the present GPU, recompiling whenever the
+  source **or any header it includes** changes (their hash goes into the compile options, which CuPy's
+  cache keys on), and launches on torch's current stream with tensors exchanged through DLPack.
+  `plan()` + `Workspace` + `launch()` keep the launch CUDA-graph safe: no allocation, no host sync, no
+  data-dependent host logic; everything is sized from the batch's upper bounds beforehand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kdtree.marshal import VerifyArgs
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+SOURCE = KERNEL_DIR / "verify_mla.cu"
+FWD, MERGE = "verify_mla_fwd", "verify_mla_merge"
+
+# Per-block shared memory a kernel may opt into, and registers per SM, by target.
+ARCH_LIMITS = {
+    "sm_80": {"smem_per_block": 166_912, "regs_per_sm": 65_536},
+    "sm_86": {"smem_per_block": 101_376, "regs_per_sm": 65_536},
+    "sm_89": {"smem_per_block": 101_376, "regs_per_sm": 65_536},
+    "sm_90": {"smem_per_block": 232_448, "regs_per_sm": 65_536},
+    "sm_100": {"smem_per_block": 232_448, "regs_per_sm": 65_536},
+    "sm_120": {"smem_per_block": 101_376, "regs_per_sm": 65_536},
+}
+
+DEFAULT_CONFIG = {"VMLA_BM": 32, "VMLA_BN": 32, "VMLA_STAGES": 2, "VMLA_WARPS": 8, "VMLA_DSLICES": 4, "VMLA_KHALVES": 2}
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected the source; the message quotes the offending lines."""
+
+
+# ----- source and configuration ------------------------------------------------------------------
+def source_files(path: Path = SOURCE) -> list[Path]:
+    """The .cu and every local header it includes (recursively), in inclusion order."""
+    seen: list[Path] = []
+
+    def visit(p: Path) -> None:
+        if p in seen:
+            return
+        seen.append(p)
+        for m in re.finditer(r'^\s*#\s*include\s*"([^"]+)"', p.read_text(), re.M):
+            inc = (p.parent / m.group(1)).resolve()
+            if inc.exists():
+                visit(inc)
+
+    visit(path.resolve())
+    return seen
+
+
+def source_hash(path: Path = SOURCE) -> str:
+    h = hashlib.sha256()
+    for p in source_files(path):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile configuration (mirrors kernels/verify_mla_config.cuh)."""
+
+    bm: int = DEFAULT_CONFIG["VMLA_BM"]
+    bn: int = DEFAULT_CONFIG["VMLA_BN"]
+    stages: int = DEFAULT_CONFIG["VMLA_STAGES"]
+    warps: int = DEFAULT_CONFIG["VMLA_WARPS"]
+    dslices: int = DEFAULT_CONFIG["VMLA_DSLICES"]
+    khalves: int = DEFAULT_CONFIG["VMLA_KHALVES"]
+    extra: tuple[tuple[str, int], ...] = ()  # more -D switches (timing experiments)
+
+    def defines(self) -> dict[str, int]:
+        return dict(self.extra) | {
+            "VMLA_BM": self.bm,
+            "VMLA_BN": self.bn,
+            "VMLA_STAGES": self.stages,
+            "VMLA_WARPS": self.warps,
+            "VMLA_DSLICES": self.dslices,
+            "VMLA_KHALVES": self.khalves,
+        }
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of verify_mla_fwd: sizeof(Smem) in the .cu."""
+        kv = self.stages * self.bn * (576 + 8) * 2  # pool rows, padded by 16 B
+        idx = (self.stages + 1) * self.bn * 4  # slot ids, one tile ahead
+        s = self.dslices * self.bm * (self.bn + 8) * 4  # fp32 partial scores
+        p = self.bm * (self.bn + 8) * 2  # bf16 probabilities
+        stats = 3 * self.bm * 4  # alpha, m, l per row
+        return kv + idx + s + p + stats
+
+
+def compile_options(config: KernelConfig, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    opts = ["-std=c++17", f"-I{KERNEL_DIR}", f"-DKDTREE_SOURCE_HASH=0x{source_hash()}"]
+    opts += [f"-D{k}={v}" for k, v in config.defines().items()]
+    return tuple(opts) + tuple(extra)
+
+
+def format_compile_error(log: str) -> str:
+    """NVRTC log with the offending source line quoted under each error."""
+    out = []
+    files = {p.name: p.read_text().splitlines() for p in source_files()}
+    for line in log.splitlines():
+        out.append(line)
+        m = re.match(r"^(.*?)\((\d+)\): (error|warning)", line)
+        if m:
+            name, no = Path(m.group(1)).name, int(m.group(2))
+            text = files.get(name) or files.get(SOURCE.name)
+            if text and 0 < no <= len(text):
+                out.append(f"    {no:5d} | {text[no - 1]}")
+    return "\n".join(out)
+
+
+# ----- cross-compilation report (NVRTC; no GPU) --------------------------------------------------
+@dataclass
+class KernelResources:
+    name: str
+    arch: str
+    registers: int
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+    static_smem: int
+    dynamic_smem: int
+    threads: int
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def line(self) -> str:
+        smem = self.static_smem + self.dynamic_smem
+        verdict = "ok" if self.ok else "FAIL: " + "; ".join(self.problems)
+        return (
+            f"{self.arch:7s} {self.name:18s} regs {self.registers:3d}  spill st/ld {self.spill_stores}/{self.spill_loads} B  "
+            f"stack {self.stack_bytes} B  smem {smem:,} B (static {self.static_smem:,} + dynamic {self.dynamic_smem:,})  "
+            f"threads {self.threads}  {verdict}"
+        )
+
+
+def _nvrtc_include_dirs() -> list[str]:
+    """CUDA headers for NVRTC: the pip wheels' include folder (nvidia-cuda-runtime), or a toolkit's."""
+    dirs = []
+    try:
+        import nvidia.cu13  # type: ignore
+
+        dirs += [str(Path(p) / "include") for p in nvidia.cu13.__path__]
+    except ImportError:
+        pass
+    try:
+        import nvidia.cuda_runtime  # type: ignore  (CUDA 12 wheels)
+
+        dirs += [str(Path(p) / "include") for p in nvidia.cuda_runtime.__path__]
+    except ImportError:
+        pass
+    for root in ("/usr/local/cuda/include",):
+        if Path(root, "cuda_bf16.h").exists():
+            dirs.append(root)
+    return [d for d in dirs if Path(d, "cuda_bf16.h").exists()]
+
+
+def nvrtc_compile(arch: str, config: KernelConfig = KernelConfig(), extra: tuple[str, ...] = ()) -> tuple[bytes, str]:
+    """(cubin, log) of kernels/verify_mla.cu for `arch`, through NVRTC (cuda-bindings)."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as e:
+        raise RuntimeError("cross-compiling needs NVRTC: pip install -e '.[nvrtc]' (cuda-bindings, nvidia-cuda-nvrtc)") from e
+    src = SOURCE.read_bytes()
+    err, prog = nvrtc.nvrtcCreateProgram(src, SOURCE.name.encode(), 0, [], [])
+    opts = [f"-arch={arch}", "--ptxas-options=-v", *compile_options(config, extra)]
+    opts += [f"-I{d}" for d in _nvrtc_include_dirs()]
+    (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+    _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+    buf = b" " * n
+    nvrtc.nvrtcGetProgramLog(prog, buf)
+    log = buf.decode(errors="replace").rstrip("\x00 \n")
+    if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise KernelCompileError(f"{SOURCE.name} does not compile for {arch}:\n" + format_compile_error(log))
+    _, size = nvrtc.nvrtcGetCUBINSize(prog)
+    cubin = b" " * size
+    nvrtc.nvrtcGetCUBIN(prog, cubin)
+    nvrtc.nvrtcDestroyProgram(prog)
+    return cubin, log
+
+
+def parse_ptxas(log: str, arch: str, config: KernelConfig) -> list[KernelResources]:
+    """Per-entry resources from `ptxas -v` output."""
+    out = []
+    for block in re.split(r"ptxas info\s*: Compiling entry function", log)[1:]:
+        name = re.search(r"'([^']+)'", block).group(1)
+        regs = int(re.search(r"Used (\d+) registers", block).group(1))
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", block)
+        smem = re.search(r"(\d+) bytes smem", block)
+        fwd = name == FWD
+        r = KernelResources(
+            name=name,
+            arch=arch,
+            registers=regs,
+            stack_bytes=int(frame.group(1)),
+            spill_stores=int(frame.group(2)),
+            spill_loads=int(frame.group(3)),
+            static_smem=int(smem.group(1)) if smem else 0,
+            dynamic_smem=config.smem_bytes if fwd else 0,
+            threads=config.threads if fwd else 128,
+        )
+        limits = ARCH_LIMITS.get(arch)
+        if r.spill_stores or r.spill_loads:
+            r.problems.append(f"register spills ({r.spill_stores} B stored, {r.spill_loads} B loaded)")
+        if limits:
+            total = r.static_smem + r.dynamic_smem
+            if total > limits["smem_per_block"]:
+                r.problems.append(f"shared memory {total:,} B > {arch}'s {limits['smem_per_block']:,} B per block")
+            if r.registers * r.threads > limits["regs_per_sm"]:
+                r.problems.append(f"{r.registers} regs x {r.threads} threads exceed {limits['regs_per_sm']} per SM")
+        out.append(r)
+    return out
+
+
+def compile_report(arch: str, config: KernelConfig = KernelConfig()) -> list[KernelResources]:
+    _, log = nvrtc_compile(arch, config)
+    return parse_ptxas(log, arch, config)
+
+
+# ----- launch planning (host side, outside the launch path) --------------------------------------
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Grid and workspace of one launch, fixed for a batch shape (or its upper bounds)."""
+
+    batch_size: int
+    num_heads: int
+    total_rows: int  # T * H
+    row_tiles: int  # grid.x: ceil(max N * H / BM)
+    chunk: int  # keys per block
+    max_chunks: int  # grid.y
+    mask_words: int
+    config: KernelConfig
+
+    @property
+    def split(self) -> bool:
+        return self.max_chunks > 1
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.row_tiles, self.max_chunks, self.batch_size)
+
+
+def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig = KernelConfig(), *, waves: int = 2) -> LaunchPlan:
+    """Choose the KV chunk so the grid fills the GPU about `waves` times with balanced blocks.
+
+    Uses the host-side lengths in `args` (for CUDA graphs, pass args built from the upper bounds).
+    """
+    n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).tolist()
+    kv = (args.combined_kv_indptr[1:] - args.combined_kv_indptr[:-1]).tolist()
+    tiles = [math.ceil(x * num_heads / config.bm) for x in n]
+    work = sum(t * k for t, k in zip(tiles, kv))
+    max_kv = max(max(kv), 1)
+    chunk = max(256, math.ceil(work / max(1, num_sms * waves) / 64) * 64)
+    chunk = min(chunk, math.ceil(max_kv / 64) * 64)
+    return LaunchPlan(
+        batch_size=len(n),
+        num_heads=num_heads,
+        total_rows=int(args.qo_indptr[-1]) * num_heads,
+        row_tiles=max(tiles),
+        chunk=chunk,
+        max_chunks=math.ceil(max_kv / chunk),
+        mask_words=int(args.tree_mask.shape[1]),
+        config=config,
+    )
+
+
+@dataclass
+class Workspace:
+    """Preallocated fp32 partials for split launches (empty when one chunk per request suffices)."""
+
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+
+    @classmethod
+    def for_plan(cls, p: LaunchPlan, device="cuda") -> "Workspace":
+        chunks = p.max_chunks if p.split else 0
+        return cls(
+            torch.empty(chunks, p.total_rows, 512, dtype=torch.float32, device=device),
+            torch.empty(chunks, p.total_rows, dtype=torch.float32, device=device),
+        )
+
+
+# ----- CuPy JIT ----------------------------------------------------------------------------------
+class VerifyKernel:
+    """verify_mla.cu compiled for the present GPU. `run()` is the convenient path; `launch()` the
+    graph-safe one (all tensors on the device, workspace preallocated)."""
+
+    _cache: dict[tuple, "VerifyKernel"] = {}
+
+    def __init__(self, config: KernelConfig = KernelConfig()):
+        import cupy
+
+        self.cupy = cupy
+        self.config = config
+        self.hash = source_hash()
+        options = compile_options(config)
+        try:
+            self.module = cupy.RawModule(code=SOURCE.read_text(), options=options)
+            self.fwd = self.module.get_function(FWD)
+            self.merge = self.module.get_function(MERGE)
+        except cupy.cuda.compiler.CompileException as e:
+            raise KernelCompileError(f"{SOURCE.name} does not compile:\n" + format_compile_error(str(e))) from None
+        self.fwd.max_dynamic_shared_size_bytes = config.smem_bytes
+        self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+    @classmethod
+    def get(cls, config: KernelConfig = KernelConfig()) -> "VerifyKernel":
+        """The compiled kernel, recompiled when kernels/*.cu or a header it includes changed."""
+        key = (source_hash(), config, torch.cuda.current_device())
+        if key not in cls._cache:
+            cls._cache[key] = cls(config)
+        return cls._cache[key]
+
+    def resources(self) -> dict:
+        a = self.fwd.attributes
+        return {"registers": a["num_regs"], "local_bytes": a["local_size_bytes"], "dynamic_smem": self.config.smem_bytes}
+
+    def _ptr(self, t: torch.Tensor | None):
+        import numpy as np
+
+        return np.uint64(0 if t is None else t.data_ptr())
+
+    def launch(self, p: LaunchPlan, args: VerifyArgs, q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor,
+               lse: torch.Tensor | None, ws: Workspace) -> None:
+        """Enqueue the kernel(s) on torch's current stream. No allocation, no sync: graph-capturable."""
+        import numpy as np
+
+        cp = self.cupy
+        i32, f32 = np.int32, np.float32
+        stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        with stream:
+            self.fwd(
+                p.grid,
+                (p.config.threads, 1, 1),
+                (
+                    self._ptr(q), self._ptr(kv_buffer), self._ptr(args.qo_indptr), self._ptr(args.combined_kv_indptr),
+                    self._ptr(args.combined_kv_indices), self._ptr(args.prefix_lens), self._ptr(args.tree_mask),
+                    i32(p.mask_words), i32(p.num_heads), i32(p.chunk), f32(args.sm_scale), f32(args.logit_cap),
+                    self._ptr(o), self._ptr(lse), self._ptr(ws.part_o if p.split else None),
+                    self._ptr(ws.part_lse if p.split else None), i32(p.total_rows),
+                ),
+                shared_mem=p.config.smem_bytes,
+            )
+            if p.split:
+                self.merge(
+                    (p.total_rows, 1, 1),
+                    (128, 1, 1),
+                    (
+                        self._ptr(args.qo_indptr), self._ptr(args.combined_kv_indptr), i32(p.batch_size), i32(p.num_heads),
+                        i32(p.chunk), self._ptr(ws.part_o), self._ptr(ws.part_lse), self._ptr(o), self._ptr(lse),
+                        i32(p.total_rows),
+                    ),
+                )
+
+    def run(self, args: VerifyArgs, q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None, *, with_lse: bool = True):
+        """Plan, allocate and launch. q [T, H, 576] bf16, kv_buffer [slots, 1, 576] bf16 on the GPU."""
+        check_inputs(args, q, kv_buffer)
+        T, H, _ = q.shape
+        p = plan(args, H, self.num_sms, self.config)
+        o = o if o is not None else torch.empty(T, H, 512, dtype=torch.bfloat16, device=q.device)
+        if with_lse and lse is None:
+            lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+        ws = Workspace.for_plan(p, q.device)
+        dev = args.to(q.device)
+        self.launch(p, dev, q.contiguous(), kv_buffer.contiguous(), o, lse, ws)
+        return o, lse
+
+
+def check_inputs(args: VerifyArgs, q: torch.Tensor, kv_buffer: torch.Tensor) -> None:
+    """Refuse what the kernel does not handle, with a clear message."""
+    if q.dtype != torch.bfloat16 or kv_buffer.dtype != torch.bfloat16:
+        raise ValueError(f"q and kv_buffer must be bf16, got {q.dtype} and {kv_buffer.dtype}")
+    if q.dim() != 3 or q.shape[-1] != 576:
+        raise ValueError(f"q must be [T, H, 576], got {list(q.shape)}")
+    if kv_buffer.shape[-1] != 576 or kv_buffer.numel() // 576 != kv_buffer.shape[0]:
+        raise ValueError(f"kv_buffer must be [slots, 1, 576], got {list(kv_buffer.shape)}")
+    if not q.is_cuda or not kv_buffer.is_cuda:
+        raise ValueError("q and kv_buffer must be CUDA tensors")

@@ -1,0 +1,426 @@
+// Target-verify attention for absorbed MLA (SGLang TARGET_VERIFY, tree drafts), bf16 in/out, fp32 accumulate.
+//
+// For request b, draft node i, head h:  o[i,h] = sum_t softmax_t(scale * q[i,h].K[t]) V[t]
+// over every prefix key and the draft keys node i may see (bit j of tree_mask[token, j/32]).
+// K[t] is the 576-wide pool row at combined_kv_indices[kv_indptr[b] + t] (prefix slots ++ out_cache_loc),
+// V[t] its first 512 columns. See docs/kernel-notes.md for the design and its numbers.
+//
+// Work decomposition: all heads of all nodes of a request share one KV stream, so rows (node, head) are
+// packed into M (row r of request b = q[(qo_indptr[b] * H) + r]); a block takes BM rows and one chunk of
+// the request's keys (grid: row tiles x KV chunks x requests). With one chunk per request the block writes
+// o/lse directly; otherwise it writes fp32 partials that verify_mla_merge combines through their LSEs.
+//
+// Inside a block (8 warps): Q lives in registers (each warp holds all BM rows for one 144-wide slice of the
+// 576 dims); K tiles of BN keys stream through a 2-stage cp.async ring in shared memory. S = Q K^T is
+// computed as 4 dim-slice partials x 2 key halves (mma.sync m16n8k16), summed through shared memory by the
+// softmax step (8 threads per row), which writes P (bf16) back; then each warp accumulates P V for its
+// 64 output columns. Shared memory stays under sm_120's 101,376-byte per-block limit.
+#include <cuda_bf16.h>
+
+#include "verify_mla_config.cuh"
+
+namespace {
+
+// NVRTC has no <stdint.h>
+using uint32_t = unsigned int;
+using int64_t = long long;
+
+constexpr int NUM_THREADS = VMLA_WARPS * 32;
+constexpr int KSTEPS_PER_SLICE = VMLA_DIM / 16 / VMLA_DSLICES;  // 9 k16-steps of QK per warp
+constexpr int ROW_STRIDE = VMLA_DIM + 8;                          // bf16 elems; +16 B keeps ldmatrix conflict-free
+constexpr int S_STRIDE = VMLA_BN + 8;                             // fp32 elems per scratch row
+constexpr int P_STRIDE = VMLA_BN + 8;                             // bf16 elems per P row
+constexpr int MT = VMLA_BM / 16;                                  // m16 tiles per block
+constexpr int QK_NT = VMLA_BN / VMLA_KHALVES / 8;                 // n8 tiles of keys per warp in QK
+constexpr int PV_COLS = VMLA_VDIM / VMLA_WARPS;                   // output columns per warp
+constexpr int PV_NT = PV_COLS / 8;
+constexpr int CHUNKS_PER_ROW = VMLA_DIM * 2 / 16;                 // 16-byte pieces per 576-wide row
+constexpr int THREADS_PER_ROW = NUM_THREADS / VMLA_BM;            // softmax threads per row
+constexpr int COLS_PER_THREAD = VMLA_BN / THREADS_PER_ROW;
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+#define VMLA_NEG_INF (-__int_as_float(0x7f800000))
+
+static_assert(VMLA_DSLICES * VMLA_KHALVES == VMLA_WARPS, "QK split must use every warp");
+static_assert(KSTEPS_PER_SLICE * 16 * VMLA_DSLICES == VMLA_DIM, "dims must split evenly");
+static_assert(PV_COLS * VMLA_WARPS == VMLA_VDIM && PV_NT % 2 == 0, "output columns must split evenly");
+static_assert(COLS_PER_THREAD == 4, "softmax step reads float4");
+static_assert(VMLA_BM == VMLA_BN, "Q staging reuses one K stage buffer");
+
+constexpr int IDX_RING = VMLA_STAGES + 1;  // slot ids fetched one tile ahead of the rows they address
+
+struct Smem {
+  __nv_bfloat16 kv[VMLA_STAGES][VMLA_BN][ROW_STRIDE];
+  int idx[IDX_RING][VMLA_BN];
+  float s[VMLA_DSLICES][VMLA_BM][S_STRIDE];
+  __nv_bfloat16 p[VMLA_BM][P_STRIDE];
+  float alpha[VMLA_BM];
+  float m_final[VMLA_BM];
+  float l_final[VMLA_BM];
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+  const int bytes = valid ? 16 : 0;  // 0: fill with zeros, read nothing
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
+  const int bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Fetch the slot ids of keys [k0, k0 + BN) into idx[slot] (0 past k_end). One warp's worth of threads.
+__device__ __forceinline__ void load_tile_slots(Smem& sm, int slot, const int* __restrict__ kv_idx, int k0, int k_end) {
+  if (threadIdx.x < VMLA_BN) {
+    const int key = k0 + threadIdx.x;
+    cp_async_4(&sm.idx[slot][threadIdx.x], key < k_end ? kv_idx + key : kv_idx, key < k_end);
+  }
+}
+
+// Gather BN pool rows (keys [k0, k0 + BN) of this chunk, slot ids already in idx[slot]) into one stage;
+// rows past k_end are zero.
+__device__ __forceinline__ void load_kv_tile(Smem& sm, int stage, int slot, const __nv_bfloat16* __restrict__ kv_buffer,
+                                             int k0, int k_end) {
+#ifndef VMLA_SKIP_LOAD
+  for (int c = threadIdx.x; c < VMLA_BN * CHUNKS_PER_ROW; c += NUM_THREADS) {
+    const int r = c / CHUNKS_PER_ROW, part = c % CHUNKS_PER_ROW;
+    const bool valid = k0 + r < k_end;
+    const __nv_bfloat16* src = kv_buffer + static_cast<int64_t>(sm.idx[slot][r]) * VMLA_DIM + part * 8;
+    cp_async_16(&sm.kv[stage][r][part * 8], valid ? src : kv_buffer, valid);
+  }
+#endif
+}
+
+}  // namespace
+
+// Dynamic shared memory verify_mla_fwd needs (kdtree.kernel.KernelConfig.smem_bytes must agree; a GPU test checks).
+extern "C" __constant__ int verify_mla_smem_bytes = sizeof(Smem);
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+verify_mla_fwd(const __nv_bfloat16* __restrict__ q,          // [T * H, 576]
+               const __nv_bfloat16* __restrict__ kv_buffer,  // [pool rows, 576]
+               const int* __restrict__ qo_indptr,            // [bs + 1]
+               const int* __restrict__ kv_indptr,            // [bs + 1]  combined: prefix_len + N
+               const int* __restrict__ kv_indices,           // combined slot lists
+               const int* __restrict__ prefix_lens,          // [bs]
+               const int* __restrict__ tree_mask,            // [T, mask_words]
+               int mask_words, int num_heads, int chunk, float sm_scale, float logit_cap,
+               __nv_bfloat16* __restrict__ o,                // [T * H, 512]           (one chunk per request)
+               float* __restrict__ lse,                      // [T * H] or null        (one chunk per request)
+               float* __restrict__ part_o,                   // [chunks, T * H, 512]   (several chunks)
+               float* __restrict__ part_lse,                 // [chunks, T * H]
+               int total_rows) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+
+  const int b = blockIdx.z, split = blockIdx.y;
+  const int q0 = qo_indptr[b];
+  const int rows = (qo_indptr[b + 1] - q0) * num_heads;
+  const int row0 = blockIdx.x * VMLA_BM;
+  if (row0 >= rows) return;
+  const int kv_start = kv_indptr[b];
+  const int kv_len = kv_indptr[b + 1] - kv_start;
+  const int k_begin = split * chunk;
+  if (split > 0 && k_begin >= kv_len) return;
+  const int k_end = min(kv_len, k_begin + chunk);
+  const int prefix = prefix_lens[b];
+  const int* kv_idx = kv_indices + kv_start;
+  const int64_t grow0 = static_cast<int64_t>(q0) * num_heads + row0;  // global row of this block's first row
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, tig = lane % 4;
+
+  // ---- prologue: stage Q in the last K buffer while the first K tile loads into buffer 0 ----
+  {
+    __nv_bfloat16(*qs)[ROW_STRIDE] = sm.kv[VMLA_STAGES - 1];
+    for (int c = tid; c < VMLA_BM * CHUNKS_PER_ROW; c += NUM_THREADS) {
+      const int r = c / CHUNKS_PER_ROW, part = c % CHUNKS_PER_ROW;
+      const bool valid = row0 + r < rows;
+      const __nv_bfloat16* src = valid ? q + (grow0 + r) * VMLA_DIM + part * 8 : q;
+      cp_async_16(&qs[r][part * 8], src, valid);
+    }
+  }
+  const int num_tiles = (k_end - k_begin + VMLA_BN - 1) / VMLA_BN;
+  load_tile_slots(sm, 0, kv_idx, k_begin, k_end);
+  load_tile_slots(sm, 1, kv_idx, k_begin + VMLA_BN, k_end);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();  // Q staged, slot ids of tiles 0 and 1 in shared memory
+  if (num_tiles > 0) load_kv_tile(sm, 0, 0, kv_buffer, k_begin, k_end);
+  cp_async_commit();
+
+  // Q fragments for this warp's dim slice, all BM rows: qf[m-tile][k-step] (while tile 0 lands)
+  const int dslice = warp % VMLA_DSLICES, khalf = warp / VMLA_DSLICES;
+  uint32_t qf[MT][KSTEPS_PER_SLICE][4];
+  {
+    __nv_bfloat16(*qs)[ROW_STRIDE] = sm.kv[VMLA_STAGES - 1];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS_PER_SLICE; ++ks) {
+        const int r = mi * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+        const int d = dslice * KSTEPS_PER_SLICE * 16 + ks * 16 + (lane / 16) * 8;
+        ldmatrix_x4(qf[mi][ks], &qs[r][d]);
+      }
+  }  // the loop's first barrier also frees the Q staging buffer for tile 1
+
+  // softmax-step state: THREADS_PER_ROW threads per row, each COLS_PER_THREAD keys of a tile
+  const int srow = tid / THREADS_PER_ROW, scol = (tid % THREADS_PER_ROW) * COLS_PER_THREAD;
+  const bool srow_valid = row0 + srow < rows;
+  const int stoken = q0 + (srow_valid ? (row0 + srow) / num_heads : 0);
+  float m_run = VMLA_NEG_INF, l_run = 0.f;  // m in the log2 domain
+  const float scale_log2 = sm_scale * LOG2E;
+
+  float acc[MT][PV_NT][4];
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < PV_NT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
+
+  for (int t = 0; t < num_tiles; ++t) {
+    const int stage = t % VMLA_STAGES;
+    const int k0 = k_begin + t * VMLA_BN;
+    cp_async_wait_all();
+    __syncthreads();  // tile t (and the slot ids of tile t+1) visible; every warp is past P.V of tile t-1
+    if (t + 1 < num_tiles) {
+      load_kv_tile(sm, (t + 1) % VMLA_STAGES, (t + 1) % IDX_RING, kv_buffer, k0 + VMLA_BN, k_end);
+      load_tile_slots(sm, (t + 2) % IDX_RING, kv_idx, k0 + 2 * VMLA_BN, k_end);
+    }
+    cp_async_commit();
+
+    // ---- S partial = Q[:, slice] K[keys of this half, slice]^T ----
+    {
+      float s[MT][QK_NT][4];
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < QK_NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.f;
+      const int key_base = khalf * (VMLA_BN / VMLA_KHALVES);
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS_PER_SLICE; ++ks) {
+        const int d0 = dslice * KSTEPS_PER_SLICE * 16 + ks * 16;
+#pragma unroll
+        for (int np = 0; np < QK_NT; np += 2) {
+          uint32_t kb[4];
+          const int key = key_base + np * 8 + (lane / 16) * 8 + lane % 8;
+          const int d = d0 + ((lane / 8) % 2) * 8;
+          ldmatrix_x4(kb, &sm.kv[stage][key][d]);
+#ifndef VMLA_SKIP_QK
+#pragma unroll
+          for (int mi = 0; mi < MT; ++mi) {
+            mma_bf16(s[mi][np], qf[mi][ks], kb[0], kb[1]);
+            mma_bf16(s[mi][np + 1], qf[mi][ks], kb[2], kb[3]);
+          }
+#else
+          s[0][np][0] += __uint_as_float(kb[0] ^ kb[3]);
+#endif
+        }
+      }
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < QK_NT; ++ni) {
+          const int col = key_base + ni * 8 + tig * 2;
+          *reinterpret_cast<float2*>(&sm.s[dslice][mi * 16 + g][col]) = make_float2(s[mi][ni][0], s[mi][ni][1]);
+          *reinterpret_cast<float2*>(&sm.s[dslice][mi * 16 + g + 8][col]) = make_float2(s[mi][ni][2], s[mi][ni][3]);
+        }
+    }
+    __syncthreads();
+
+    // ---- softmax step: sum the partials, scale, cap, mask, online max/sum, write P ----
+    {
+      float x[COLS_PER_THREAD];
+      float4 acc4 = *reinterpret_cast<const float4*>(&sm.s[0][srow][scol]);
+#pragma unroll
+      for (int d = 1; d < VMLA_DSLICES; ++d) {
+        const float4 v = *reinterpret_cast<const float4*>(&sm.s[d][srow][scol]);
+        acc4.x += v.x; acc4.y += v.y; acc4.z += v.z; acc4.w += v.w;
+      }
+      x[0] = acc4.x; x[1] = acc4.y; x[2] = acc4.z; x[3] = acc4.w;
+#ifdef VMLA_SKIP_SOFTMAX  // timing experiment: P = scores, no mask/max/exp/sums
+      __nv_bfloat16 pq[COLS_PER_THREAD];
+#pragma unroll
+      for (int c = 0; c < COLS_PER_THREAD; ++c) pq[c] = __float2bfloat16_rn(x[c] * 1e-3f);
+      *reinterpret_cast<uint2*>(&sm.p[srow][scol]) = *reinterpret_cast<const uint2*>(pq);
+      if (tid % THREADS_PER_ROW == 0) sm.alpha[srow] = 1.f;
+      l_run = 1.f;
+#else
+      float tile_max = VMLA_NEG_INF;
+#pragma unroll
+      for (int c = 0; c < COLS_PER_THREAD; ++c) {
+        const int key = k0 + scol + c;
+        float v = logit_cap > 0.f ? logit_cap * tanhf(x[c] * sm_scale / logit_cap) * LOG2E : x[c] * scale_log2;
+        bool visible = key < k_end;
+        if (visible && key >= prefix && srow_valid) {
+          const int j = key - prefix;
+          visible = (tree_mask[static_cast<int64_t>(stoken) * mask_words + (j >> 5)] >> (j & 31)) & 1;
+        }
+        x[c] = visible ? v : VMLA_NEG_INF;
+        tile_max = fmaxf(tile_max, x[c]);
+      }
+#pragma unroll
+      for (int off = THREADS_PER_ROW / 2; off > 0; off /= 2)
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+      const float m_new = fmaxf(m_run, tile_max);
+      const float m_use = m_new == VMLA_NEG_INF ? 0.f : m_new;
+      const float alpha = exp2f(m_run - m_use);
+      float psum = 0.f;
+      __nv_bfloat16 pb[COLS_PER_THREAD];
+#pragma unroll
+      for (int c = 0; c < COLS_PER_THREAD; ++c) {
+        const float p = exp2f(x[c] - m_use);
+        psum += p;
+        pb[c] = __float2bfloat16_rn(p);
+      }
+#pragma unroll
+      for (int off = THREADS_PER_ROW / 2; off > 0; off /= 2) psum += __shfl_xor_sync(0xffffffffu, psum, off);
+      l_run = l_run * alpha + psum;
+      m_run = m_new;
+      *reinterpret_cast<uint2*>(&sm.p[srow][scol]) = *reinterpret_cast<const uint2*>(pb);
+      if (tid % THREADS_PER_ROW == 0) sm.alpha[srow] = alpha;
+#endif
+    }
+    __syncthreads();
+
+    // ---- O = alpha * O + P V for this warp's output columns ----
+    {
+      const int col0 = warp * PV_COLS;
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        const float a_lo = sm.alpha[mi * 16 + g], a_hi = sm.alpha[mi * 16 + g + 8];
+#pragma unroll
+        for (int ni = 0; ni < PV_NT; ++ni) {
+          acc[mi][ni][0] *= a_lo; acc[mi][ni][1] *= a_lo;
+          acc[mi][ni][2] *= a_hi; acc[mi][ni][3] *= a_hi;
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < VMLA_BN / 16; ++kk) {
+        uint32_t pa[MT][4];
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          const int r = mi * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+          ldmatrix_x4(pa[mi], &sm.p[r][kk * 16 + (lane / 16) * 8]);
+        }
+#pragma unroll
+        for (int np = 0; np < PV_NT; np += 2) {
+          uint32_t vb[4];
+          const int key = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+          const int c = col0 + np * 8 + (lane / 16) * 8;
+          ldmatrix_x4_trans(vb, &sm.kv[stage][key][c]);
+#ifndef VMLA_SKIP_PV
+#pragma unroll
+          for (int mi = 0; mi < MT; ++mi) {
+            mma_bf16(acc[mi][np], pa[mi], vb[0], vb[1]);
+            mma_bf16(acc[mi][np + 1], pa[mi], vb[2], vb[3]);
+          }
+#else
+          acc[0][np][0] += __uint_as_float(vb[0] ^ vb[3] ^ pa[0][0]);
+#endif
+        }
+      }
+    }
+  }
+
+  // ---- epilogue ----
+  if (tid % THREADS_PER_ROW == 0) {
+    sm.m_final[srow] = m_run;
+    sm.l_final[srow] = l_run;
+  }
+  __syncthreads();
+  const bool direct = part_o == nullptr;
+  if (tid % THREADS_PER_ROW == 0 && srow_valid) {
+    const float l = l_run;
+    const float row_lse = l > 0.f ? (m_run + log2f(l)) * LN2 : VMLA_NEG_INF;
+    const int64_t grow = grow0 + srow;
+    if (direct) {
+      if (lse != nullptr) lse[grow] = row_lse;
+    } else {
+      part_lse[static_cast<int64_t>(split) * total_rows + grow] = row_lse;
+    }
+  }
+  const int col0 = warp * PV_COLS;
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = mi * 16 + g + half * 8;
+      if (row0 + r >= rows) continue;
+      const float l = sm.l_final[r];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int64_t grow = grow0 + r;
+#pragma unroll
+      for (int ni = 0; ni < PV_NT; ++ni) {
+        const int c = col0 + ni * 8 + tig * 2;
+        const float v0 = acc[mi][ni][half * 2] * inv, v1 = acc[mi][ni][half * 2 + 1] * inv;
+        if (direct) {
+          *reinterpret_cast<__nv_bfloat162*>(&o[grow * VMLA_VDIM + c]) = __floats2bfloat162_rn(v0, v1);
+        } else {
+          *reinterpret_cast<float2*>(&part_o[(static_cast<int64_t>(split) * total_rows + grow) * VMLA_VDIM + c]) =
+              make_float2(v0, v1);
+        }
+      }
+    }
+}
+
+// Combine the per-chunk partials of each row through their LSEs. One block of 128 threads per row.
+extern "C" __global__ void __launch_bounds__(128)
+verify_mla_merge(const int* __restrict__ qo_indptr, const int* __restrict__ kv_indptr, int batch_size, int num_heads,
+                 int chunk, const float* __restrict__ part_o, const float* __restrict__ part_lse,
+                 __nv_bfloat16* __restrict__ o, float* __restrict__ lse, int total_rows) {
+  const int row = blockIdx.x;
+  const int token = row / num_heads;
+  int lo = 0, hi = batch_size;  // request of this token: qo_indptr[b] <= token < qo_indptr[b + 1]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (qo_indptr[mid] <= token) lo = mid; else hi = mid;
+  }
+  const int kv_len = kv_indptr[lo + 1] - kv_indptr[lo];
+  const int chunks = max(1, (kv_len + chunk - 1) / chunk);
+  float mx = VMLA_NEG_INF;
+  for (int s = 0; s < chunks; ++s) mx = fmaxf(mx, part_lse[static_cast<int64_t>(s) * total_rows + row]);
+  const float m_use = mx == VMLA_NEG_INF ? 0.f : mx;
+  float wsum = 0.f;
+  for (int s = 0; s < chunks; ++s) wsum += __expf(part_lse[static_cast<int64_t>(s) * total_rows + row] - m_use);
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  for (int c = threadIdx.x * 4; c < VMLA_VDIM; c += blockDim.x * 4) {
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < chunks; ++s) {
+      const float w = __expf(part_lse[static_cast<int64_t>(s) * total_rows + row] - m_use) * inv;
+      const float4 v = *reinterpret_cast<const float4*>(&part_o[(static_cast<int64_t>(s) * total_rows + row) * VMLA_VDIM + c]);
+      a.x += w * v.x; a.y += w * v.y; a.z += w * v.z; a.w += w * v.w;
+    }
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(&o[static_cast<int64_t>(row) * VMLA_VDIM + c]);
+    dst[0] = __floats2bfloat162_rn(a.x, a.y);
+    dst[1] = __floats2bfloat162_rn(a.z, a.w);
+  }
+  if (threadIdx.x == 0 && lse != nullptr) lse[row] = wsum > 0.f ? m_use + logf(wsum) : VMLA_NEG_INF;
+}

@@ -1,0 +1,32 @@
+// Tile configuration of verify_mla.cu. Each can be overridden with -DNAME=value (kdtree.kernel passes
+// `defines`); the static_asserts in verify_mla.cu say which combinations are valid.
+#pragma once
+
+#ifndef VMLA_DIM
+#define VMLA_DIM 576      // kv_lora_rank 512 + qk_rope_head_dim 64
+#endif
+#ifndef VMLA_VDIM
+#define VMLA_VDIM 512     // V = first 512 columns of the pool row
+#endif
+#ifndef VMLA_BM
+#define VMLA_BM 32        // query rows (node, head) per block
+#endif
+#ifndef VMLA_BN
+#define VMLA_BN 32        // keys per pipeline stage
+#endif
+#ifndef VMLA_STAGES
+#define VMLA_STAGES 2     // cp.async stages of BN pool rows
+#endif
+#ifndef VMLA_WARPS
+#define VMLA_WARPS 8
+#endif
+#ifndef VMLA_DSLICES
+#define VMLA_DSLICES 4    // QK: the 576 dims split across warps ...
+#endif
+#ifndef VMLA_KHALVES
+#define VMLA_KHALVES 2    // ... and the BN keys in halves (DSLICES x KHALVES = WARPS)
+#endif
+
+// Timing experiments only (the output is wrong with any of these): VMLA_SKIP_LOAD (no pool-row copies),
+// VMLA_SKIP_QK / VMLA_SKIP_PV (no tensor-core work in that phase), VMLA_SKIP_SOFTMAX (P = raw scores).
+// scripts/variants.py times them against the real kernel to see where the time goes.

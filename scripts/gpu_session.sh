@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
+# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|test|bench|all]
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then   # carried wheels (SGLang and what its import chain needs)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n 25 "$OUT/$name.log"; echo "== $name rc=$rc ($((SECONDS - t0)) s)"; }
+step compile 120 python3 -m kdtree compile --arch sm_90 --arch sm_120
+case $what in
+  smoke|all) step diff 240 python3 -m kdtree diff data/captured_batches/*.safetensors --impl cuda ;;
+esac
+case $what in
+  test|all) step test-gpu 480 python3 -m pytest -q -x tests/test_kernel_gpu.py ;;
+esac
+case $what in
+  smoke|bench|all) step bench 420 python3 -m kdtree bench -o "$OUT" ;;
+esac

@@ -1,0 +1,75 @@
+"""Time kernel variants side by side (one device call): configurations and the VMLA_SKIP_* experiments.
+
+Usage: python3 scripts/variants.py [--cases substring ...]   (needs a GPU; prints a table, writes variants.json to $OUT)
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kdtree import bench  # noqa: E402
+from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, plan  # noqa: E402
+from kdtree.marshal import marshal  # noqa: E402
+from kdtree.synth import synthesize  # noqa: E402
+
+VARIANTS = {
+    "base": (KernelConfig(), 2),
+    "waves1": (KernelConfig(), 1),
+    "waves4": (KernelConfig(), 4),
+    "skip_load": (KernelConfig(extra=(("VMLA_SKIP_LOAD", 1),)), 2),
+    "skip_qk": (KernelConfig(extra=(("VMLA_SKIP_QK", 1),)), 2),
+    "skip_pv": (KernelConfig(extra=(("VMLA_SKIP_PV", 1),)), 2),
+    "skip_softmax": (KernelConfig(extra=(("VMLA_SKIP_SOFTMAX", 1),)), 2),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="*", default=["32k x4", "dsv3", "small tree"])
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    a = ap.parse_args()
+    cases = [c for c in bench.CASES if any(s in c.name for s in a.cases)]
+    rows = {}
+    for case in cases:
+        cap = synthesize(case.spec(), reference=False)
+        args = marshal(cap)
+        dev = args.to("cuda")
+        sets = bench._rotations(cap, 2)
+        flops = bench.case_flops(cap)
+        T, H = cap.num_tokens, cap.meta.num_heads
+        o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(T, H, device="cuda")
+        for name in a.variants:
+            config, waves = VARIANTS[name]
+            try:
+                kern = VerifyKernel.get(config)
+                p = plan(args, H, kern.num_sms, config, waves=waves)
+                ws = Workspace.for_plan(p)
+                it = [0]
+
+                def fn():
+                    q, pool = sets[it[0] % len(sets)]
+                    it[0] += 1
+                    kern.launch(p, dev, q, pool, o, lse, ws)
+
+                fn()
+                ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                rows.setdefault(case.name, {})[name] = {"ms": ms, "tflops": flops / ms / 1e9, "regs": kern.resources()["registers"], "chunk": p.chunk, "chunks": p.max_chunks}
+            except Exception as e:  # noqa: BLE001
+                rows.setdefault(case.name, {})[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        print(case.name)
+        for name, r in rows[case.name].items():
+            print(f"   {name:14s} " + (f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s regs {r['regs']} chunk {r['chunk']}x{r['chunks']}" if "ms" in r else r["error"]))
+        sys.stdout.flush()
+    out = Path(os.environ.get("OUT", "."))
+    (out / "variants.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The CUDA kernel on a GPU: every shipped capture, 200 fuzz batches, faults, determinism, CUDA graphs.
+
+Skipped (with the reason) where there is no CUDA GPU; `make test-gpu` runs them on one.
+"""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kdtree.capture import load
+from kdtree.diff import compare, poisoned
+from kdtree.fuzz import fuzz_spec
+from kdtree.impls import run_impl
+from kdtree.marshal import FAULTS, marshal
+from kdtree.reference import emulate_triton, oracle
+from kdtree.synth import SynthSpec, synthesize
+
+from conftest import SHIPPED
+
+pytestmark = pytest.mark.gpu
+REL_BAR = 5e-3
+
+
+@pytest.fixture(scope="module")
+def kern():
+    from kdtree.kernel import VerifyKernel
+
+    return VerifyKernel.get()
+
+
+def check_against_references(cap, lid, out):
+    ref = oracle(cap, lid, device="cuda")
+    emu = emulate_triton(cap, lid, device="cuda")
+    d = compare(cap, lid, out, ref)
+    d_emu = compare(cap, lid, emu, ref)
+    assert d.nan == 0 and d.unwritten == 0, d.line()
+    assert d.rel <= REL_BAR, d.line()
+    assert d.max_abs <= 2 * d_emu.max_abs + 1e-6, f"{d.line()} vs emulation max_abs {d_emu.max_abs:.4e}"
+    assert d.lse_max_abs is not None and d.lse_max_abs < 1e-2, d.line()
+    return d
+
+
+def test_shared_memory_size_agrees_with_the_source(kern):
+    import numpy as np
+
+    ptr = kern.module.get_global("verify_mla_smem_bytes")
+    host = np.zeros(1, dtype=np.int32)
+    ptr.copy_to_host(host)
+    assert int(host[0]) == kern.config.smem_bytes
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_capture(kern, path):
+    cap = load(path)
+    for lid in cap.meta.layer_ids:
+        check_against_references(cap, lid, run_impl("cuda", cap, lid, device="cuda"))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_fuzz(kern, seed):
+    cap = synthesize(fuzz_spec(seed), device="cuda", reference=False)
+    check_against_references(cap, 0, run_impl("cuda", cap, 0, device="cuda"))
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_faults_are_caught_through_the_kernel(kern, path, fault):
+    cap = load(path)
+    lid = cap.meta.layer_ids[0]
+    d = compare(cap, lid, run_impl("cuda", cap, lid, fault=fault, device="cuda"), oracle(cap, lid, device="cuda"))
+    assert d.rel > 0.3, d.line()
+
+
+def test_deterministic_and_graph_replay_matches(kern):
+    from kdtree.kernel import Workspace, plan
+
+    cap = synthesize(fuzz_spec(3), device="cuda", reference=False)  # a long prefix: split + merge path
+    args = marshal(cap).to("cuda")
+    q, pool = cap.layer(0).q.cuda(), cap.pool(0, "cuda")
+    T, H = cap.num_tokens, cap.meta.num_heads
+    p = plan(args, H, kern.num_sms)
+    assert p.split
+    ws = Workspace.for_plan(p)
+    outs = []
+    for _ in range(2):
+        o, lse = poisoned((T, H, 512), "cuda"), torch.empty(T, H, device="cuda")
+        kern.launch(p, args, q, pool, o, lse, ws)
+        outs.append((o.clone(), lse.clone()))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0].view(torch.int16), outs[1][0].view(torch.int16))
+    assert torch.equal(outs[0][1], outs[1][1])
+    o, lse = poisoned((T, H, 512), "cuda"), torch.empty(T, H, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kern.launch(p, args, q, pool, o, lse, ws)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(g):
+        kern.launch(p, args, q, pool, o, lse, ws)
+    o.view(torch.int16).fill_(0x7FA5)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o.view(torch.int16), outs[0][0].view(torch.int16))
+
+
+def test_logit_cap_is_supported(kern):
+    cap = synthesize(SynthSpec(batch_size=2, prefix_lens=[300, 5], budget=16, seed=4, logit_cap=5.0), device="cuda")
+    check_against_references(cap, 0, run_impl("cuda", cap, 0, device="cuda"))
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_is_clean(tool):
+    small = next(p for p in SHIPPED if "mixed" in p.name)
+    r = subprocess.run(
+        ["compute-sanitizer", f"--tool={tool}", "--error-exitcode=99", sys.executable, "-m", "kdtree", "diff", str(small), "--impl", "cuda"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr
