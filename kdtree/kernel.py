@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 import re
 from dataclasses import dataclass, field
@@ -99,7 +100,7 @@ class KernelConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory of verify_mla_fwd: sizeof(Smem) in the .cu."""
         kv = self.stages * self.bn * (576 + 8) * 2  # pool rows, padded by 16 B
-        idx = (self.stages + 1) * self.bn * 4  # slot ids, one tile ahead
+        idx = 2 * self.stages * self.bn * 4  # ring of slot ids fetched ahead of the rows
         s = self.dslices * self.bm * (self.bn + 8) * 4  # fp32 partial scores
         p = self.bm * (self.bn + 8) * 2  # bf16 probabilities
         stats = 3 * self.bm * 4  # alpha, m, l per row
@@ -261,25 +262,56 @@ class LaunchPlan:
         return (self.row_tiles, self.max_chunks, self.batch_size)
 
 
-def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig = KernelConfig(), *, waves: int = 2) -> LaunchPlan:
-    """Choose the KV chunk so the grid fills the GPU about `waves` times with balanced blocks.
+PROLOGUE_TILES = 2.0  # a block's fixed cost (stage Q, first loads, epilogue) in key-tile units
+TILE_SECONDS = 1.7e-6  # one key tile of one block on an H200 (v2 measurement), to weigh the merge's bytes
+MERGE_BYTES_PER_SECOND = 3e12
 
-    Uses the host-side lengths in `args` (for CUDA graphs, pass args built from the upper bounds).
+
+def simulate_makespan(block_costs: list[float], slots: int) -> float:
+    """Blocks dispatched in grid order to the first free slot (the hardware's policy): when the last ends."""
+    free = [0.0] * slots
+    heapq.heapify(free)
+    for c in block_costs:
+        heapq.heappush(free, heapq.heappop(free) + c)
+    return max(free)
+
+
+def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig = KernelConfig(), *, blocks_per_sm: int = 1) -> LaunchPlan:
+    """Choose the KV chunk (keys per block) that finishes soonest on `num_sms` SMs.
+
+    Models each block as PROLOGUE_TILES + its key tiles, dispatched in grid order, plus the merge's traffic
+    when requests are split. Uses the host-side lengths in `args` (for CUDA graphs: args from upper bounds).
     """
     n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).tolist()
     kv = (args.combined_kv_indptr[1:] - args.combined_kv_indptr[:-1]).tolist()
+    bn = config.bn
     tiles = [math.ceil(x * num_heads / config.bm) for x in n]
-    work = sum(t * k for t, k in zip(tiles, kv))
-    max_kv = max(max(kv), 1)
-    chunk = max(256, math.ceil(work / max(1, num_sms * waves) / 64) * 64)
-    chunk = min(chunk, math.ceil(max_kv / 64) * 64)
+    key_tiles = [max(1, math.ceil(k / bn)) for k in kv]
+    total_rows = int(args.qo_indptr[-1]) * num_heads
+    best = None
+    for c in range(1, min(64, max(key_tiles)) + 1):
+        per_chunk = math.ceil(max(key_tiles) / c)
+        if c > 1 and per_chunk == math.ceil(max(key_tiles) / (c - 1)):
+            continue  # same chunk as a smaller c
+        costs, chunks_used = [], 0
+        for t, kt in zip(tiles, key_tiles):
+            chunks = math.ceil(kt / per_chunk)
+            chunks_used = max(chunks_used, chunks)
+            for y in range(chunks):
+                costs += [PROLOGUE_TILES + min(per_chunk, kt - y * per_chunk)] * t
+        split = chunks_used > 1
+        merge = 2 * total_rows * chunks_used * 512 * 4 / MERGE_BYTES_PER_SECOND / TILE_SECONDS if split else 0.0
+        span = simulate_makespan(costs, num_sms * blocks_per_sm) + merge
+        if best is None or span < best[0] - 1e-9:
+            best = (span, per_chunk * bn, chunks_used)
+    _, chunk, chunks_used = best
     return LaunchPlan(
         batch_size=len(n),
         num_heads=num_heads,
-        total_rows=int(args.qo_indptr[-1]) * num_heads,
+        total_rows=total_rows,
         row_tiles=max(tiles),
         chunk=chunk,
-        max_chunks=math.ceil(max_kv / chunk),
+        max_chunks=chunks_used,
         mask_words=int(args.tree_mask.shape[1]),
         config=config,
     )
@@ -323,6 +355,7 @@ class VerifyKernel:
             raise KernelCompileError(f"{SOURCE.name} does not compile:\n" + format_compile_error(str(e))) from None
         self.fwd.max_dynamic_shared_size_bytes = config.smem_bytes
         self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        self._streams: dict[int, object] = {}
 
     @classmethod
     def get(cls, config: KernelConfig = KernelConfig()) -> "VerifyKernel":
@@ -336,6 +369,18 @@ class VerifyKernel:
         a = self.fwd.attributes
         return {"registers": a["num_regs"], "local_bytes": a["local_size_bytes"], "dynamic_smem": self.config.smem_bytes}
 
+    def _stream(self, ts: torch.cuda.Stream):
+        """CuPy's view of a torch stream (cached: made once per stream)."""
+        key = ts.cuda_stream
+        if key not in self._streams:
+            cp = self.cupy
+            from_external = getattr(cp.cuda.Stream, "from_external", None)
+            try:
+                self._streams[key] = from_external(ts) if from_external else cp.cuda.ExternalStream(key)
+            except TypeError:  # a torch without the CUDA stream protocol
+                self._streams[key] = cp.cuda.ExternalStream(key)
+        return self._streams[key]
+
     def _ptr(self, t: torch.Tensor | None):
         import numpy as np
 
@@ -346,10 +391,8 @@ class VerifyKernel:
         """Enqueue the kernel(s) on torch's current stream. No allocation, no sync: graph-capturable."""
         import numpy as np
 
-        cp = self.cupy
         i32, f32 = np.int32, np.float32
-        stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-        with stream:
+        with self._stream(torch.cuda.current_stream()):
             self.fwd(
                 p.grid,
                 (p.config.threads, 1, 1),

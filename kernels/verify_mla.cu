@@ -47,7 +47,10 @@ static_assert(PV_COLS * VMLA_WARPS == VMLA_VDIM && PV_NT % 2 == 0, "output colum
 static_assert(COLS_PER_THREAD == 4, "softmax step reads float4");
 static_assert(VMLA_BM == VMLA_BN, "Q staging reuses one K stage buffer");
 
-constexpr int IDX_RING = VMLA_STAGES + 1;  // slot ids fetched one tile ahead of the rows they address
+// Rows of tile j are issued at iteration j - STAGES + 1; their slot ids are fetched STAGES - 1 iterations
+// before that (so they have landed when needed): at iteration t we fetch the ids of tile t + SLOT_AHEAD.
+constexpr int SLOT_AHEAD = 2 * VMLA_STAGES - 2;
+constexpr int IDX_RING = 2 * VMLA_STAGES;
 
 struct Smem {
   __nv_bfloat16 kv[VMLA_STAGES][VMLA_BN][ROW_STRIDE];
@@ -73,6 +76,8 @@ __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool vali
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -165,13 +170,16 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q,          // [T * H, 576]
     }
   }
   const int num_tiles = (k_end - k_begin + VMLA_BN - 1) / VMLA_BN;
-  load_tile_slots(sm, 0, kv_idx, k_begin, k_end);
-  load_tile_slots(sm, 1, kv_idx, k_begin + VMLA_BN, k_end);
+#pragma unroll
+  for (int j = 0; j < SLOT_AHEAD; ++j) load_tile_slots(sm, j, kv_idx, k_begin + j * VMLA_BN, k_end);
   cp_async_commit();
   cp_async_wait_all();
-  __syncthreads();  // Q staged, slot ids of tiles 0 and 1 in shared memory
-  if (num_tiles > 0) load_kv_tile(sm, 0, 0, kv_buffer, k_begin, k_end);
-  cp_async_commit();
+  __syncthreads();  // Q staged, slot ids of the first tiles in shared memory
+#pragma unroll
+  for (int j = 0; j < VMLA_STAGES - 1; ++j) {  // one commit group per tile
+    if (j < num_tiles) load_kv_tile(sm, j, j, kv_buffer, k_begin + j * VMLA_BN, k_end);
+    cp_async_commit();
+  }
 
   // Q fragments for this warp's dim slice, all BM rows: qf[m-tile][k-step] (while tile 0 lands)
   const int dslice = warp % VMLA_DSLICES, khalf = warp / VMLA_DSLICES;
@@ -186,7 +194,7 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q,          // [T * H, 576]
         const int d = dslice * KSTEPS_PER_SLICE * 16 + ks * 16 + (lane / 16) * 8;
         ldmatrix_x4(qf[mi][ks], &qs[r][d]);
       }
-  }  // the loop's first barrier also frees the Q staging buffer for tile 1
+  }  // the loop's first barrier also frees the Q staging buffer (the last stage)
 
   // softmax-step state: THREADS_PER_ROW threads per row, each COLS_PER_THREAD keys of a tile
   const int srow = tid / THREADS_PER_ROW, scol = (tid % THREADS_PER_ROW) * COLS_PER_THREAD;
@@ -206,13 +214,15 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q,          // [T * H, 576]
   for (int t = 0; t < num_tiles; ++t) {
     const int stage = t % VMLA_STAGES;
     const int k0 = k_begin + t * VMLA_BN;
-    cp_async_wait_all();
-    __syncthreads();  // tile t (and the slot ids of tile t+1) visible; every warp is past P.V of tile t-1
-    if (t + 1 < num_tiles) {
-      load_kv_tile(sm, (t + 1) % VMLA_STAGES, (t + 1) % IDX_RING, kv_buffer, k0 + VMLA_BN, k_end);
-      load_tile_slots(sm, (t + 2) % IDX_RING, kv_idx, k0 + 2 * VMLA_BN, k_end);
+    cp_async_wait<VMLA_STAGES - 2>();  // tile t has landed (newer tiles may still be in flight)
+    __syncthreads();  // tile t visible to all; every warp is past P.V of tile t-1, whose buffer we refill now
+    {
+      const int ahead = t + VMLA_STAGES - 1;
+      if (ahead < num_tiles)
+        load_kv_tile(sm, ahead % VMLA_STAGES, ahead % IDX_RING, kv_buffer, k_begin + ahead * VMLA_BN, k_end);
+      load_tile_slots(sm, (t + SLOT_AHEAD) % IDX_RING, kv_idx, k_begin + (t + SLOT_AHEAD) * VMLA_BN, k_end);
+      cp_async_commit();
     }
-    cp_async_commit();
 
     // ---- S partial = Q[:, slice] K[keys of this half, slice]^T ----
     {

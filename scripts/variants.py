@@ -19,13 +19,12 @@ from kdtree.marshal import marshal  # noqa: E402
 from kdtree.synth import synthesize  # noqa: E402
 
 VARIANTS = {
-    "base": (KernelConfig(), 2),
-    "waves1": (KernelConfig(), 1),
-    "waves4": (KernelConfig(), 4),
-    "skip_load": (KernelConfig(extra=(("VMLA_SKIP_LOAD", 1),)), 2),
-    "skip_qk": (KernelConfig(extra=(("VMLA_SKIP_QK", 1),)), 2),
-    "skip_pv": (KernelConfig(extra=(("VMLA_SKIP_PV", 1),)), 2),
-    "skip_softmax": (KernelConfig(extra=(("VMLA_SKIP_SOFTMAX", 1),)), 2),
+    "stages2": KernelConfig(stages=2),
+    "stages3": KernelConfig(stages=3),
+    "stages4": KernelConfig(stages=4),
+    "s3_skip_load": KernelConfig(stages=3, extra=(("VMLA_SKIP_LOAD", 1),)),
+    "s3_skip_softmax": KernelConfig(stages=3, extra=(("VMLA_SKIP_SOFTMAX", 1),)),
+    "s3_skip_qk_pv": KernelConfig(stages=3, extra=(("VMLA_SKIP_QK", 1), ("VMLA_SKIP_PV", 1))),
 }
 
 
@@ -46,10 +45,10 @@ def main():
         o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(T, H, device="cuda")
         for name in a.variants:
-            config, waves = VARIANTS[name]
+            config = VARIANTS[name]
             try:
                 kern = VerifyKernel.get(config)
-                p = plan(args, H, kern.num_sms, config, waves=waves)
+                p = plan(args, H, kern.num_sms, config)
                 ws = Workspace.for_plan(p)
                 it = [0]
 

@@ -44,12 +44,11 @@ def check_against_references(cap, lid, out):
 
 
 def test_shared_memory_size_agrees_with_the_source(kern):
-    import numpy as np
+    import cupy
 
     ptr = kern.module.get_global("verify_mla_smem_bytes")
-    host = np.zeros(1, dtype=np.int32)
-    ptr.copy_to_host(host)
-    assert int(host[0]) == kern.config.smem_bytes
+    value = cupy.ndarray((1,), dtype=cupy.int32, memptr=ptr).get()
+    assert int(value[0]) == kern.config.smem_bytes
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
@@ -120,5 +119,6 @@ def test_compute_sanitizer_is_clean(tool):
         ["compute-sanitizer", f"--tool={tool}", "--error-exitcode=99", sys.executable, "-m", "kdtree", "diff", str(small), "--impl", "cuda"],
         capture_output=True, text=True, timeout=600,
     )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in out or "(0 errors, 0 warnings)" in out, out[-3000:]
