@@ -31,6 +31,7 @@ constexpr int ROW_STRIDE = VMLA_DIM + 8;                          // bf16 elems;
 constexpr int S_STRIDE = VMLA_BN + 8;                             // fp32 elems per scratch row
 constexpr int P_STRIDE = VMLA_BN + 8;                             // bf16 elems per P row
 constexpr int MT = VMLA_BM / 16;                                  // m16 tiles per block
+constexpr int QK_MT = MT / VMLA_RGROUPS;                          // m16 tiles per warp in QK
 constexpr int QK_NT = VMLA_BN / VMLA_KHALVES / 8;                 // n8 tiles of keys per warp in QK
 constexpr int PV_COLS = VMLA_VDIM / VMLA_WARPS;                   // output columns per warp
 constexpr int PV_NT = PV_COLS / 8;
@@ -41,11 +42,12 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 #define VMLA_NEG_INF (-__int_as_float(0x7f800000))
 
-static_assert(VMLA_DSLICES * VMLA_KHALVES == VMLA_WARPS, "QK split must use every warp");
+static_assert(VMLA_DSLICES * VMLA_RGROUPS * VMLA_KHALVES == VMLA_WARPS, "QK split must use every warp");
+static_assert(QK_MT * VMLA_RGROUPS == MT && QK_NT % 2 == 0, "QK rows and keys must split evenly");
 static_assert(KSTEPS_PER_SLICE * 16 * VMLA_DSLICES == VMLA_DIM, "dims must split evenly");
 static_assert(PV_COLS * VMLA_WARPS == VMLA_VDIM && PV_NT % 2 == 0, "output columns must split evenly");
-static_assert(COLS_PER_THREAD == 4, "softmax step reads float4");
-static_assert(VMLA_BM == VMLA_BN, "Q staging reuses one K stage buffer");
+static_assert(COLS_PER_THREAD % 4 == 0 && THREADS_PER_ROW <= 32, "softmax step reads float4s within a warp");
+static_assert(VMLA_Q_SMEM || VMLA_BM <= VMLA_BN, "Q staging reuses one K stage buffer");
 
 // Rows of tile j are issued at iteration j - STAGES + 1; their slot ids are fetched STAGES - 1 iterations
 // before that (so they have landed when needed): at iteration t we fetch the ids of tile t + SLOT_AHEAD.
@@ -53,6 +55,9 @@ constexpr int SLOT_AHEAD = 2 * VMLA_STAGES - 2;
 constexpr int IDX_RING = 2 * VMLA_STAGES;
 
 struct Smem {
+#if VMLA_Q_SMEM
+  __nv_bfloat16 q[VMLA_BM][ROW_STRIDE];  // Q stays here; QK reads its fragments every tile
+#endif
   __nv_bfloat16 kv[VMLA_STAGES][VMLA_BN][ROW_STRIDE];
   int idx[IDX_RING][VMLA_BN];
   float s[VMLA_DSLICES][VMLA_BM][S_STRIDE];
@@ -159,9 +164,13 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q,          // [T * H, 576]
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tig = lane % 4;
 
-  // ---- prologue: stage Q in the last K buffer while the first K tile loads into buffer 0 ----
+  // ---- prologue: Q into shared memory (its own buffer, or staged in the last K stage) ----
+#if VMLA_Q_SMEM
+  __nv_bfloat16(*qs)[ROW_STRIDE] = sm.q;
+#else
+  __nv_bfloat16(*qs)[ROW_STRIDE] = sm.kv[VMLA_STAGES - 1];
+#endif
   {
-    __nv_bfloat16(*qs)[ROW_STRIDE] = sm.kv[VMLA_STAGES - 1];
     for (int c = tid; c < VMLA_BM * CHUNKS_PER_ROW; c += NUM_THREADS) {
       const int r = c / CHUNKS_PER_ROW, part = c % CHUNKS_PER_ROW;
       const bool valid = row0 + r < rows;
@@ -181,20 +190,24 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q,          // [T * H, 576]
     cp_async_commit();
   }
 
-  // Q fragments for this warp's dim slice, all BM rows: qf[m-tile][k-step] (while tile 0 lands)
-  const int dslice = warp % VMLA_DSLICES, khalf = warp / VMLA_DSLICES;
-  uint32_t qf[MT][KSTEPS_PER_SLICE][4];
-  {
-    __nv_bfloat16(*qs)[ROW_STRIDE] = sm.kv[VMLA_STAGES - 1];
+  // QK role of this warp: a slice of the dims, a group of rows, a part of the keys
+  const int dslice = warp % VMLA_DSLICES;
+  const int rgroup = (warp / VMLA_DSLICES) % VMLA_RGROUPS;
+  const int khalf = warp / (VMLA_DSLICES * VMLA_RGROUPS);
+  const int qk_row0 = rgroup * QK_MT * 16;
+#if !VMLA_Q_SMEM
+  // Q fragments in registers: qf[m-tile][k-step] for this warp's rows and dim slice (while tile 0 lands)
+  uint32_t qf[QK_MT][KSTEPS_PER_SLICE][4];
 #pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
+  for (int mi = 0; mi < QK_MT; ++mi)
 #pragma unroll
-      for (int ks = 0; ks < KSTEPS_PER_SLICE; ++ks) {
-        const int r = mi * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-        const int d = dslice * KSTEPS_PER_SLICE * 16 + ks * 16 + (lane / 16) * 8;
-        ldmatrix_x4(qf[mi][ks], &qs[r][d]);
-      }
-  }  // the loop's first barrier also frees the Q staging buffer (the last stage)
+    for (int ks = 0; ks < KSTEPS_PER_SLICE; ++ks) {
+      const int r = qk_row0 + mi * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+      const int d = dslice * KSTEPS_PER_SLICE * 16 + ks * 16 + (lane / 16) * 8;
+      ldmatrix_x4(qf[mi][ks], &qs[r][d]);
+    }
+  // the loop's first barrier also frees the Q staging buffer (the last stage)
+#endif
 
   // softmax-step state: THREADS_PER_ROW threads per row, each COLS_PER_THREAD keys of a tile
   const int srow = tid / THREADS_PER_ROW, scol = (tid % THREADS_PER_ROW) * COLS_PER_THREAD;
@@ -226,9 +239,9 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q,          // [T * H, 576]
 
     // ---- S partial = Q[:, slice] K[keys of this half, slice]^T ----
     {
-      float s[MT][QK_NT][4];
+      float s[QK_MT][QK_NT][4];
 #pragma unroll
-      for (int mi = 0; mi < MT; ++mi)
+      for (int mi = 0; mi < QK_MT; ++mi)
 #pragma unroll
         for (int ni = 0; ni < QK_NT; ++ni)
 #pragma unroll
@@ -237,6 +250,15 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q,          // [T * H, 576]
 #pragma unroll
       for (int ks = 0; ks < KSTEPS_PER_SLICE; ++ks) {
         const int d0 = dslice * KSTEPS_PER_SLICE * 16 + ks * 16;
+#if VMLA_Q_SMEM
+        uint32_t qa[QK_MT][4];
+#pragma unroll
+        for (int mi = 0; mi < QK_MT; ++mi)
+          ldmatrix_x4(qa[mi], &qs[qk_row0 + mi * 16 + ((lane / 8) % 2) * 8 + lane % 8][d0 + (lane / 16) * 8]);
+#define VMLA_QFRAG(mi) qa[mi]
+#else
+#define VMLA_QFRAG(mi) qf[mi][ks]
+#endif
 #pragma unroll
         for (int np = 0; np < QK_NT; np += 2) {
           uint32_t kb[4];
@@ -245,22 +267,24 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q,          // [T * H, 576]
           ldmatrix_x4(kb, &sm.kv[stage][key][d]);
 #ifndef VMLA_SKIP_QK
 #pragma unroll
-          for (int mi = 0; mi < MT; ++mi) {
-            mma_bf16(s[mi][np], qf[mi][ks], kb[0], kb[1]);
-            mma_bf16(s[mi][np + 1], qf[mi][ks], kb[2], kb[3]);
+          for (int mi = 0; mi < QK_MT; ++mi) {
+            mma_bf16(s[mi][np], VMLA_QFRAG(mi), kb[0], kb[1]);
+            mma_bf16(s[mi][np + 1], VMLA_QFRAG(mi), kb[2], kb[3]);
           }
 #else
-          s[0][np][0] += __uint_as_float(kb[0] ^ kb[3]);
+          s[0][np][0] += __uint_as_float(kb[0] ^ kb[3] ^ VMLA_QFRAG(0)[0]);
 #endif
         }
+#undef VMLA_QFRAG
       }
 #pragma unroll
-      for (int mi = 0; mi < MT; ++mi)
+      for (int mi = 0; mi < QK_MT; ++mi)
 #pragma unroll
         for (int ni = 0; ni < QK_NT; ++ni) {
           const int col = key_base + ni * 8 + tig * 2;
-          *reinterpret_cast<float2*>(&sm.s[dslice][mi * 16 + g][col]) = make_float2(s[mi][ni][0], s[mi][ni][1]);
-          *reinterpret_cast<float2*>(&sm.s[dslice][mi * 16 + g + 8][col]) = make_float2(s[mi][ni][2], s[mi][ni][3]);
+          const int r = qk_row0 + mi * 16 + g;
+          *reinterpret_cast<float2*>(&sm.s[dslice][r][col]) = make_float2(s[mi][ni][0], s[mi][ni][1]);
+          *reinterpret_cast<float2*>(&sm.s[dslice][r + 8][col]) = make_float2(s[mi][ni][2], s[mi][ni][3]);
         }
     }
     __syncthreads();
@@ -268,18 +292,23 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q,          // [T * H, 576]
     // ---- softmax step: sum the partials, scale, cap, mask, online max/sum, write P ----
     {
       float x[COLS_PER_THREAD];
-      float4 acc4 = *reinterpret_cast<const float4*>(&sm.s[0][srow][scol]);
 #pragma unroll
-      for (int d = 1; d < VMLA_DSLICES; ++d) {
-        const float4 v = *reinterpret_cast<const float4*>(&sm.s[d][srow][scol]);
-        acc4.x += v.x; acc4.y += v.y; acc4.z += v.z; acc4.w += v.w;
+      for (int c4 = 0; c4 < COLS_PER_THREAD; c4 += 4) {
+        float4 a = *reinterpret_cast<const float4*>(&sm.s[0][srow][scol + c4]);
+#pragma unroll
+        for (int d = 1; d < VMLA_DSLICES; ++d) {
+          const float4 v = *reinterpret_cast<const float4*>(&sm.s[d][srow][scol + c4]);
+          a.x += v.x; a.y += v.y; a.z += v.z; a.w += v.w;
+        }
+        x[c4] = a.x; x[c4 + 1] = a.y; x[c4 + 2] = a.z; x[c4 + 3] = a.w;
       }
-      x[0] = acc4.x; x[1] = acc4.y; x[2] = acc4.z; x[3] = acc4.w;
 #ifdef VMLA_SKIP_SOFTMAX  // timing experiment: P = scores, no mask/max/exp/sums
       __nv_bfloat16 pq[COLS_PER_THREAD];
 #pragma unroll
       for (int c = 0; c < COLS_PER_THREAD; ++c) pq[c] = __float2bfloat16_rn(x[c] * 1e-3f);
-      *reinterpret_cast<uint2*>(&sm.p[srow][scol]) = *reinterpret_cast<const uint2*>(pq);
+#pragma unroll
+      for (int c4 = 0; c4 < COLS_PER_THREAD; c4 += 4)
+        *reinterpret_cast<uint2*>(&sm.p[srow][scol + c4]) = *reinterpret_cast<const uint2*>(&pq[c4]);
       if (tid % THREADS_PER_ROW == 0) sm.alpha[srow] = 1.f;
       l_run = 1.f;
 #else
@@ -314,7 +343,9 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q,          // [T * H, 576]
       for (int off = THREADS_PER_ROW / 2; off > 0; off /= 2) psum += __shfl_xor_sync(0xffffffffu, psum, off);
       l_run = l_run * alpha + psum;
       m_run = m_new;
-      *reinterpret_cast<uint2*>(&sm.p[srow][scol]) = *reinterpret_cast<const uint2*>(pb);
+#pragma unroll
+      for (int c4 = 0; c4 < COLS_PER_THREAD; c4 += 4)
+        *reinterpret_cast<uint2*>(&sm.p[srow][scol + c4]) = *reinterpret_cast<const uint2*>(&pb[c4]);
       if (tid % THREADS_PER_ROW == 0) sm.alpha[srow] = alpha;
 #endif
     }

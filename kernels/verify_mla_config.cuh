@@ -23,8 +23,14 @@
 #ifndef VMLA_DSLICES
 #define VMLA_DSLICES 4    // QK: the 576 dims split across warps ...
 #endif
+#ifndef VMLA_RGROUPS
+#define VMLA_RGROUPS 1    // ... the BM rows in groups ...
+#endif
 #ifndef VMLA_KHALVES
-#define VMLA_KHALVES 2    // ... and the BN keys in halves (DSLICES x KHALVES = WARPS)
+#define VMLA_KHALVES 2    // ... and the BN keys in parts (DSLICES x RGROUPS x KHALVES = WARPS)
+#endif
+#ifndef VMLA_Q_SMEM
+#define VMLA_Q_SMEM 0     // 0: Q fragments live in registers (BM 32); 1: Q stays in shared memory (BM 64, big smem)
 #endif
 
 // Timing experiments only (the output is wrong with any of these): VMLA_SKIP_LOAD (no pool-row copies),

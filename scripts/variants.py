@@ -18,19 +18,20 @@ from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, plan  # noqa: E
 from kdtree.marshal import marshal  # noqa: E402
 from kdtree.synth import synthesize  # noqa: E402
 
+BM64 = dict(bm=64, q_smem=True)
 VARIANTS = {
-    "stages2": KernelConfig(stages=2),
-    "stages3": KernelConfig(stages=3),
-    "stages4": KernelConfig(stages=4),
-    "s3_skip_load": KernelConfig(stages=3, extra=(("VMLA_SKIP_LOAD", 1),)),
-    "s3_skip_softmax": KernelConfig(stages=3, extra=(("VMLA_SKIP_SOFTMAX", 1),)),
-    "s3_skip_qk_pv": KernelConfig(stages=3, extra=(("VMLA_SKIP_QK", 1), ("VMLA_SKIP_PV", 1))),
+    "bm32_regs": KernelConfig(),
+    "bm64_r2k1": KernelConfig(**BM64, rgroups=2, khalves=1),
+    "bm64_r1k2": KernelConfig(**BM64, rgroups=1, khalves=2),
+    "bm64_d2r2k2": KernelConfig(**BM64, dslices=2, rgroups=2, khalves=2),
+    "bm64_skip_load": KernelConfig(**BM64, rgroups=2, khalves=1, extra=(("VMLA_SKIP_LOAD", 1),)),
+    "bm64_skip_softmax": KernelConfig(**BM64, rgroups=2, khalves=1, extra=(("VMLA_SKIP_SOFTMAX", 1),)),
 }
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", nargs="*", default=["32k x4", "dsv3", "small tree"])
+    ap.add_argument("--cases", nargs="*", default=["32k x4", "dsv3", "small tree", "8k x8"])
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     a = ap.parse_args()
     cases = [c for c in bench.CASES if any(s in c.name for s in a.cases)]
