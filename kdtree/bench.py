@@ -88,11 +88,11 @@ def _rotations(cap: Capture, copies: int):
 
 
 def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
-    from kdtree.kernel import VerifyKernel, Workspace, plan
+    from kdtree.kernel import VerifyKernel, Workspace
 
     kern = VerifyKernel.get()
     T, H = cap.num_tokens, cap.meta.num_heads
-    p = plan(args, H, kern.num_sms)
+    p = kern.plan(args, H)
     dev = args.to("cuda")
     ws = Workspace.for_plan(p)
     o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
@@ -246,7 +246,7 @@ def run(cases=CASES, *, with_sglang: bool = True, min_rotation_bytes: float = 3 
             r.impls["kdtree"]["speedup_vs_sglang"] = r.impls["sglang"]["ms"] / r.impls["kdtree"]["ms"]
         results.append(r)
         log(format_row(r))
-        del sets
+        sets = outs = None  # free this case's tensors before the next
         torch.cuda.empty_cache()
     return {
         "device": torch.cuda.get_device_name(),

@@ -59,13 +59,9 @@ IMPLS: dict[str, tuple[Callable, bool, str]] = {
 
 def gpu_available() -> bool:
     """A CUDA GPU that torch sees and CuPy to drive it."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
 
 
 def default_impl() -> str:

@@ -387,6 +387,10 @@ class VerifyKernel:
             cls._cache[key] = cls(config)
         return cls._cache[key]
 
+    def plan(self, args: VerifyArgs, num_heads: int) -> LaunchPlan:
+        """The launch plan for this kernel's configuration on this GPU (host side, before any capture)."""
+        return plan(args, num_heads, self.num_sms, self.config)
+
     def resources(self) -> dict:
         a = self.fwd.attributes
         return {"registers": a["num_regs"], "local_bytes": a["local_size_bytes"], "dynamic_smem": self.config.smem_bytes}
@@ -443,7 +447,7 @@ class VerifyKernel:
         """Plan, allocate and launch. q [T, H, 576] bf16, kv_buffer [slots, 1, 576] bf16 on the GPU."""
         check_inputs(args, q, kv_buffer)
         T, H, _ = q.shape
-        p = plan(args, H, self.num_sms, self.config)
+        p = self.plan(args, H)
         o = o if o is not None else torch.empty(T, H, 512, dtype=torch.bfloat16, device=q.device)
         if with_lse and lse is None:
             lse = torch.empty(T, H, dtype=torch.float32, device=q.device)

@@ -74,13 +74,13 @@ def test_faults_are_caught_through_the_kernel(kern, path, fault):
 
 
 def test_deterministic_and_graph_replay_matches(kern):
-    from kdtree.kernel import Workspace, plan
+    from kdtree.kernel import Workspace
 
     cap = synthesize(fuzz_spec(3), device="cuda", reference=False)  # a long prefix: split + merge path
     args = marshal(cap).to("cuda")
     q, pool = cap.layer(0).q.cuda(), cap.pool(0, "cuda")
     T, H = cap.num_tokens, cap.meta.num_heads
-    p = plan(args, H, kern.num_sms)
+    p = kern.plan(args, H)
     assert p.split
     ws = Workspace.for_plan(p)
     outs = []
