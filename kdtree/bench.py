@@ -92,7 +92,7 @@ def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
 
     kern = VerifyKernel.get()
     T, H = cap.num_tokens, cap.meta.num_heads
-    p = kern.plan(args, H)
+    p = kern.plan(args, H).to("cuda")
     dev = args.to("cuda")
     ws = Workspace.for_plan(p)
     o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
@@ -104,7 +104,7 @@ def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
         it[0] += 1
         kern.launch(p, dev, q, pool, o, lse, ws)
 
-    info = {"chunk": p.chunk, "max_chunks": p.max_chunks, "grid": list(p.grid), "smem": p.config.smem_bytes}
+    info = {"grid": p.grid, "units": p.units, "segments": p.segments, "bm": p.config.bm, "smem": p.config.smem_bytes}
     return fn, o, info
 
 

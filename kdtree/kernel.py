@@ -12,9 +12,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import heapq
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,96 +260,94 @@ def compile_report(arch: str, config: KernelConfig | None = None) -> list[Kernel
 
 
 # ----- launch planning (host side, outside the launch path) --------------------------------------
-@dataclass(frozen=True)
+PLAN_ARRAYS = ("cta_unit_start", "cta_first_rt", "rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base", "req_rt_base")
+
+
+@dataclass
 class LaunchPlan:
-    """Grid and workspace of one launch, fixed for a batch shape (or its upper bounds)."""
+    """A stream-K split of one batch: the (row tile, key tile) work units shared equally by `grid` blocks.
+
+    The arrays are int32; `to(device)` moves them once, before any launch or graph capture. For CUDA-graph
+    replay with other lengths, plan again and copy the new arrays into the captured ones (same sizes when
+    planned from the same upper bounds).
+    """
 
     batch_size: int
     num_heads: int
     total_rows: int  # T * H
-    row_tiles: int  # grid.x: ceil(max N * H / BM)
-    chunk: int  # keys per block
-    max_chunks: int  # grid.y
     mask_words: int
+    grid: int  # persistent blocks
+    units: int  # (row tile, key tile) work units
+    segments: int  # partial slots (row tiles split across blocks, one slot per block touching them)
     config: KernelConfig
+    arrays: dict[str, torch.Tensor] = field(repr=False)
 
     @property
     def split(self) -> bool:
-        return self.max_chunks > 1
+        return self.segments > 0
 
-    @property
-    def grid(self) -> tuple[int, int, int]:
-        return (self.row_tiles, self.max_chunks, self.batch_size)
-
-
-PROLOGUE_TILES = 2.0  # a block's fixed cost (stage Q, first loads, epilogue) in key-tile units
-TILE_SECONDS = 1.7e-6  # one key tile of one block on an H200 (v2 measurement), to weigh the merge's bytes
-MERGE_BYTES_PER_SECOND = 3e12
-
-
-def simulate_makespan(block_costs: list[float], slots: int) -> float:
-    """Blocks dispatched in grid order to the first free slot (the hardware's policy): when the last ends."""
-    free = [0.0] * slots
-    heapq.heapify(free)
-    for c in block_costs:
-        heapq.heappush(free, heapq.heappop(free) + c)
-    return max(free)
+    def to(self, device) -> "LaunchPlan":
+        return dataclasses.replace(self, arrays={k: v.to(device) for k, v in self.arrays.items()})
 
 
 def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *, blocks_per_sm: int = 1) -> LaunchPlan:
-    """Choose the KV chunk (keys per block) that finishes soonest on `num_sms` SMs.
+    """Cut the batch into row tiles x key tiles and share the units equally among one block per SM."""
+    import numpy as np
 
-    Models each block as PROLOGUE_TILES + its key tiles, dispatched in grid order, plus the merge's traffic
-    when requests are split. Uses the host-side lengths in `args` (for CUDA graphs: args from upper bounds).
-    """
-    n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).tolist()
-    kv = (args.combined_kv_indptr[1:] - args.combined_kv_indptr[:-1]).tolist()
-    bn = config.bn
-    tiles = [math.ceil(x * num_heads / config.bm) for x in n]
-    key_tiles = [max(1, math.ceil(k / bn)) for k in kv]
-    total_rows = int(args.qo_indptr[-1]) * num_heads
-    best = None
-    for c in range(1, min(64, max(key_tiles)) + 1):
-        per_chunk = math.ceil(max(key_tiles) / c)
-        if c > 1 and per_chunk == math.ceil(max(key_tiles) / (c - 1)):
-            continue  # same chunk as a smaller c
-        costs, chunks_used = [], 0
-        for t, kt in zip(tiles, key_tiles):
-            chunks = math.ceil(kt / per_chunk)
-            chunks_used = max(chunks_used, chunks)
-            for y in range(chunks):
-                costs += [PROLOGUE_TILES + min(per_chunk, kt - y * per_chunk)] * t
-        split = chunks_used > 1
-        merge = 2 * total_rows * chunks_used * 512 * 4 / MERGE_BYTES_PER_SECOND / TILE_SECONDS if split else 0.0
-        span = simulate_makespan(costs, num_sms * blocks_per_sm) + merge
-        if best is None or span < best[0] - 1e-9:
-            best = (span, per_chunk * bn, chunks_used)
-    _, chunk, chunks_used = best
+    n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
+    kv = (args.combined_kv_indptr[1:] - args.combined_kv_indptr[:-1]).numpy().astype(np.int64)
+    row_tiles = -(-n * num_heads // config.bm)
+    key_tiles = np.maximum(1, -(-kv // config.bn))  # a request with no keys still owns a unit: it writes o = 0
+    rt_request = np.repeat(np.arange(len(n)), row_tiles)
+    rt_row0 = np.concatenate([np.arange(r) * config.bm for r in row_tiles])
+    rt_unit_start = np.concatenate([[0], np.cumsum(key_tiles[rt_request])])
+    units = int(rt_unit_start[-1])
+    grid = max(1, min(num_sms * blocks_per_sm, units))
+    cta_unit_start = np.arange(grid + 1) * units // grid
+    cta_first_rt = np.searchsorted(rt_unit_start, cta_unit_start[:-1], side="right") - 1
+    rt_first_cta = np.searchsorted(cta_unit_start, rt_unit_start[:-1], side="right") - 1
+    rt_last_cta = np.searchsorted(cta_unit_start, rt_unit_start[1:] - 1, side="right") - 1
+    segs = rt_last_cta - rt_first_cta + 1
+    rt_seg_base = np.concatenate([[0], np.cumsum(np.where(segs > 1, segs, 0))])
+    req_rt_base = np.concatenate([[0], np.cumsum(row_tiles)])
+    arrays = {
+        "cta_unit_start": cta_unit_start,
+        "cta_first_rt": cta_first_rt,
+        "rt_unit_start": rt_unit_start,
+        "rt_request": rt_request,
+        "rt_row0": rt_row0,
+        "rt_first_cta": rt_first_cta,
+        "rt_seg_base": rt_seg_base,
+        "req_rt_base": req_rt_base,
+    }
     return LaunchPlan(
         batch_size=len(n),
         num_heads=num_heads,
-        total_rows=total_rows,
-        row_tiles=max(tiles),
-        chunk=chunk,
-        max_chunks=chunks_used,
+        total_rows=int(args.qo_indptr[-1]) * num_heads,
         mask_words=int(args.tree_mask.shape[1]),
+        grid=grid,
+        units=units,
+        segments=int(rt_seg_base[-1]),
         config=config,
+        arrays={k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int32)) for k, v in arrays.items()},
     )
 
 
 @dataclass
 class Workspace:
-    """Preallocated fp32 partials for split launches (empty when one chunk per request suffices)."""
+    """Preallocated fp32 partials of the row tiles split across blocks."""
 
-    part_o: torch.Tensor
-    part_lse: torch.Tensor
+    part_o: torch.Tensor  # [segments, BM, 512]
+    part_lse: torch.Tensor  # [segments, BM]
 
     @classmethod
-    def for_plan(cls, p: LaunchPlan, device="cuda") -> "Workspace":
-        chunks = p.max_chunks if p.split else 0
+    def for_plan(cls, p: LaunchPlan, device="cuda", *, segments: int | None = None) -> "Workspace":
+        """Sized for `p`, or for `segments` slots (an upper bound, for graphs replayed with other lengths)."""
+        n = max(1, segments if segments is not None else p.segments)
+        bm = p.config.bm
         return cls(
-            torch.empty(chunks, p.total_rows, 512, dtype=torch.float32, device=device),
-            torch.empty(chunks, p.total_rows, dtype=torch.float32, device=device),
+            torch.empty(n, bm, 512, dtype=torch.float32, device=device),
+            torch.empty(n, bm, dtype=torch.float32, device=device),
         )
 
 
@@ -414,20 +411,23 @@ class VerifyKernel:
 
     def launch(self, p: LaunchPlan, args: VerifyArgs, q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor,
                lse: torch.Tensor | None, ws: Workspace) -> None:
-        """Enqueue the kernel(s) on torch's current stream. No allocation, no sync: graph-capturable."""
+        """Enqueue the kernel(s) on torch's current stream. Everything (args, plan arrays, workspace) must
+        already be on the GPU: no allocation, no copy, no sync - graph-capturable."""
         import numpy as np
 
         i32, f32 = np.int32, np.float32
+        pa = p.arrays
         with self._stream(torch.cuda.current_stream()):
             self.fwd(
-                p.grid,
+                (p.grid, 1, 1),
                 (p.config.threads, 1, 1),
                 (
                     self._ptr(q), self._ptr(kv_buffer), self._ptr(args.qo_indptr), self._ptr(args.combined_kv_indptr),
                     self._ptr(args.combined_kv_indices), self._ptr(args.prefix_lens), self._ptr(args.tree_mask),
-                    i32(p.mask_words), i32(p.num_heads), i32(p.chunk), f32(args.sm_scale), f32(args.logit_cap),
-                    self._ptr(o), self._ptr(lse), self._ptr(ws.part_o if p.split else None),
-                    self._ptr(ws.part_lse if p.split else None), i32(p.total_rows),
+                    i32(p.mask_words), i32(p.num_heads), f32(args.sm_scale), f32(args.logit_cap),
+                    self._ptr(o), self._ptr(lse),
+                    *(self._ptr(pa[name]) for name in PLAN_ARRAYS[:-1]),
+                    self._ptr(ws.part_o), self._ptr(ws.part_lse),
                 ),
                 shared_mem=p.config.smem_bytes,
             )
@@ -436,9 +436,9 @@ class VerifyKernel:
                     (p.total_rows, 1, 1),
                     (128, 1, 1),
                     (
-                        self._ptr(args.qo_indptr), self._ptr(args.combined_kv_indptr), i32(p.batch_size), i32(p.num_heads),
-                        i32(p.chunk), self._ptr(ws.part_o), self._ptr(ws.part_lse), self._ptr(o), self._ptr(lse),
-                        i32(p.total_rows),
+                        self._ptr(args.qo_indptr), i32(p.batch_size), i32(p.num_heads), self._ptr(pa["req_rt_base"]),
+                        self._ptr(pa["rt_seg_base"]), self._ptr(ws.part_o), self._ptr(ws.part_lse), self._ptr(o),
+                        self._ptr(lse),
                     ),
                 )
 
@@ -447,7 +447,7 @@ class VerifyKernel:
         """Plan, allocate and launch. q [T, H, 576] bf16, kv_buffer [slots, 1, 576] bf16 on the GPU."""
         check_inputs(args, q, kv_buffer)
         T, H, _ = q.shape
-        p = self.plan(args, H)
+        p = self.plan(args, H).to(q.device)
         o = o if o is not None else torch.empty(T, H, 512, dtype=torch.bfloat16, device=q.device)
         if with_lse and lse is None:
             lse = torch.empty(T, H, dtype=torch.float32, device=q.device)

@@ -6,15 +6,17 @@
 // V[t] its first 512 columns. See docs/kernel-notes.md for the design and its numbers.
 //
 // Work decomposition: all heads of all nodes of a request share one KV stream, so rows (node, head) are
-// packed into M (row r of request b = q[(qo_indptr[b] * H) + r]); a block takes BM rows and one chunk of
-// the request's keys (grid: row tiles x KV chunks x requests). With one chunk per request the block writes
-// o/lse directly; otherwise it writes fp32 partials that verify_mla_merge combines through their LSEs.
+// packed into M (row r of request b = q[(qo_indptr[b] * H) + r]) and cut into row tiles of BM rows. The
+// work is the list of (row tile, key tile of BN keys) units, request by request; a persistent grid of one
+// block per SM takes equal contiguous shares of it (stream-K), so every SM gets the same number of key
+// tiles whatever the batch looks like. Where a block's share covers a row tile whole, it writes o/lse;
+// otherwise it writes an fp32 partial (o, lse) that verify_mla_merge combines through the LSEs.
 //
-// Inside a block (8 warps): Q lives in registers (each warp holds all BM rows for one 144-wide slice of the
-// 576 dims); K tiles of BN keys stream through a 2-stage cp.async ring in shared memory. S = Q K^T is
-// computed as 4 dim-slice partials x 2 key halves (mma.sync m16n8k16), summed through shared memory by the
-// softmax step (8 threads per row), which writes P (bf16) back; then each warp accumulates P V for its
-// 64 output columns. Shared memory stays under sm_120's 101,376-byte per-block limit.
+// Inside a block (8 warps): Q fragments live in registers (BM 32) or are read from shared memory (BM 64,
+// on parts with ~227 KB); K tiles of BN keys stream through a cp.async ring whose slot ids are fetched
+// ahead. S = Q K^T is computed as dim-slice x row-group x key-part partials (mma.sync m16n8k16), summed
+// through shared memory by the softmax step, which writes P (bf16) back; then each warp accumulates P V
+// for its 64 output columns. The sm_120 configuration stays under its 101,376-byte per-block limit.
 #include <cuda_bf16.h>
 
 #include "verify_mla_config.cuh"
@@ -130,35 +132,34 @@ __device__ __forceinline__ void load_kv_tile(Smem& sm, int stage, int slot, cons
 // Dynamic shared memory verify_mla_fwd needs (kdtree.kernel.KernelConfig.smem_bytes must agree; a GPU test checks).
 extern "C" __constant__ int verify_mla_smem_bytes = sizeof(Smem);
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
-verify_mla_fwd(const __nv_bfloat16* __restrict__ q,          // [T * H, 576]
-               const __nv_bfloat16* __restrict__ kv_buffer,  // [pool rows, 576]
-               const int* __restrict__ qo_indptr,            // [bs + 1]
-               const int* __restrict__ kv_indptr,            // [bs + 1]  combined: prefix_len + N
-               const int* __restrict__ kv_indices,           // combined slot lists
-               const int* __restrict__ prefix_lens,          // [bs]
-               const int* __restrict__ tree_mask,            // [T, mask_words]
-               int mask_words, int num_heads, int chunk, float sm_scale, float logit_cap,
-               __nv_bfloat16* __restrict__ o,                // [T * H, 512]           (one chunk per request)
-               float* __restrict__ lse,                      // [T * H] or null        (one chunk per request)
-               float* __restrict__ part_o,                   // [chunks, T * H, 512]   (several chunks)
-               float* __restrict__ part_lse,                 // [chunks, T * H]
-               int total_rows) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+struct Args {
+  const __nv_bfloat16* __restrict__ q;          // [T * H, 576]
+  const __nv_bfloat16* __restrict__ kv_buffer;  // [pool rows, 576]
+  const int* __restrict__ qo_indptr;            // [bs + 1]
+  const int* __restrict__ kv_indptr;            // [bs + 1]  combined: prefix_len + N
+  const int* __restrict__ kv_indices;           // combined slot lists
+  const int* __restrict__ prefix_lens;          // [bs]
+  const int* __restrict__ tree_mask;            // [T, mask_words]
+  int mask_words, num_heads;
+  float sm_scale, logit_cap;
+  __nv_bfloat16* __restrict__ o;                // [T * H, 512]
+  float* __restrict__ lse;                      // [T * H] or null
+};
 
-  const int b = blockIdx.z, split = blockIdx.y;
-  const int q0 = qo_indptr[b];
-  const int rows = (qo_indptr[b + 1] - q0) * num_heads;
-  const int row0 = blockIdx.x * VMLA_BM;
-  if (row0 >= rows) return;
-  const int kv_start = kv_indptr[b];
-  const int kv_len = kv_indptr[b + 1] - kv_start;
-  const int k_begin = split * chunk;
-  if (split > 0 && k_begin >= kv_len) return;
-  const int k_end = min(kv_len, k_begin + chunk);
-  const int prefix = prefix_lens[b];
-  const int* kv_idx = kv_indices + kv_start;
+// One segment: rows [row0, row0 + BM) of request b against its keys [k_begin, k_end). Writes o/lse (out_o
+// null) or the fp32 partial out_o[BM][512], out_lse[BM] normalised by its own sum.
+__device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
+                                               float* __restrict__ out_o, float* __restrict__ out_lse) {
+  const __nv_bfloat16* __restrict__ q = a.q;
+  const __nv_bfloat16* __restrict__ kv_buffer = a.kv_buffer;
+  const int* __restrict__ tree_mask = a.tree_mask;
+  const int mask_words = a.mask_words, num_heads = a.num_heads;
+  const float sm_scale = a.sm_scale, logit_cap = a.logit_cap;
+  const int q0 = a.qo_indptr[b];
+  const int rows = (a.qo_indptr[b + 1] - q0) * num_heads;
+  const int kv_start = a.kv_indptr[b];
+  const int prefix = a.prefix_lens[b];
+  const int* kv_idx = a.kv_indices + kv_start;
   const int64_t grow0 = static_cast<int64_t>(q0) * num_heads + row0;  // global row of this block's first row
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -397,15 +398,14 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q,          // [T * H, 576]
     sm.l_final[srow] = l_run;
   }
   __syncthreads();
-  const bool direct = part_o == nullptr;
+  const bool direct = out_o == nullptr;
   if (tid % THREADS_PER_ROW == 0 && srow_valid) {
     const float l = l_run;
     const float row_lse = l > 0.f ? (m_run + log2f(l)) * LN2 : VMLA_NEG_INF;
-    const int64_t grow = grow0 + srow;
     if (direct) {
-      if (lse != nullptr) lse[grow] = row_lse;
+      if (a.lse != nullptr) a.lse[grow0 + srow] = row_lse;
     } else {
-      part_lse[static_cast<int64_t>(split) * total_rows + grow] = row_lse;
+      out_lse[srow] = row_lse;
     }
   }
   const int col0 = warp * PV_COLS;
@@ -417,26 +417,71 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q,          // [T * H, 576]
       if (row0 + r >= rows) continue;
       const float l = sm.l_final[r];
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      const int64_t grow = grow0 + r;
 #pragma unroll
       for (int ni = 0; ni < PV_NT; ++ni) {
         const int c = col0 + ni * 8 + tig * 2;
         const float v0 = acc[mi][ni][half * 2] * inv, v1 = acc[mi][ni][half * 2 + 1] * inv;
         if (direct) {
-          *reinterpret_cast<__nv_bfloat162*>(&o[grow * VMLA_VDIM + c]) = __floats2bfloat162_rn(v0, v1);
+          *reinterpret_cast<__nv_bfloat162*>(&a.o[(grow0 + r) * VMLA_VDIM + c]) = __floats2bfloat162_rn(v0, v1);
         } else {
-          *reinterpret_cast<float2*>(&part_o[(static_cast<int64_t>(split) * total_rows + grow) * VMLA_VDIM + c]) =
-              make_float2(v0, v1);
+          *reinterpret_cast<float2*>(&out_o[r * VMLA_VDIM + c]) = make_float2(v0, v1);
         }
       }
     }
+  cp_async_wait_all();  // slot-id prefetches past the end must land before the next segment reuses the ring
+  __syncthreads();      // the next segment reuses every shared buffer
 }
 
-// Combine the per-chunk partials of each row through their LSEs. One block of 128 threads per row.
+// Persistent stream-K grid: block c takes work units [cta_unit_start[c], cta_unit_start[c + 1]) of the list of
+// (row tile, key tile) units; row tile rt owns units [rt_unit_start[rt], rt_unit_start[rt + 1]).
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv_buffer,
+               const int* __restrict__ qo_indptr, const int* __restrict__ kv_indptr,
+               const int* __restrict__ kv_indices, const int* __restrict__ prefix_lens,
+               const int* __restrict__ tree_mask, int mask_words, int num_heads, float sm_scale, float logit_cap,
+               __nv_bfloat16* __restrict__ o, float* __restrict__ lse,
+               const int* __restrict__ cta_unit_start,  // [grid + 1]
+               const int* __restrict__ cta_first_rt,    // [grid]
+               const int* __restrict__ rt_unit_start,   // [row tiles + 1]
+               const int* __restrict__ rt_request,      // [row tiles]
+               const int* __restrict__ rt_row0,         // [row tiles] first row within its request
+               const int* __restrict__ rt_first_cta,    // [row tiles] block holding the tile's first unit
+               const int* __restrict__ rt_seg_base,     // [row tiles + 1] partial slots of each tile
+               float* __restrict__ part_o,              // [segments, BM, 512]
+               float* __restrict__ part_lse) {          // [segments, BM]
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  const Args a{q, kv_buffer, qo_indptr, kv_indptr, kv_indices, prefix_lens, tree_mask, mask_words, num_heads,
+               sm_scale, logit_cap, o, lse};
+  const int c = blockIdx.x;
+  int u = cta_unit_start[c];
+  const int u_end = cta_unit_start[c + 1];
+  for (int rt = cta_first_rt[c]; u < u_end; ++rt) {
+    const int t0 = rt_unit_start[rt], t1 = rt_unit_start[rt + 1];
+    const int seg_end = min(u_end, t1);
+    const int b = rt_request[rt];
+    const int kv_len = a.kv_indptr[b + 1] - a.kv_indptr[b];
+    const int k_begin = (u - t0) * VMLA_BN, k_end = min(kv_len, (seg_end - t0) * VMLA_BN);
+    const int segments = rt_seg_base[rt + 1] - rt_seg_base[rt];
+    float* out_o = nullptr;
+    float* out_lse = nullptr;
+    if (segments > 1) {
+      const int64_t slot = rt_seg_base[rt] + (c - rt_first_cta[rt]);
+      out_o = part_o + slot * VMLA_BM * VMLA_VDIM;
+      out_lse = part_lse + slot * VMLA_BM;
+    }
+    verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse);
+    u = seg_end;
+  }
+}
+
+// Combine the partials of every row whose tile was split across blocks, through their LSEs (rows of
+// tiles written whole by one block are left alone). One block of 128 threads per row.
 extern "C" __global__ void __launch_bounds__(128)
-verify_mla_merge(const int* __restrict__ qo_indptr, const int* __restrict__ kv_indptr, int batch_size, int num_heads,
-                 int chunk, const float* __restrict__ part_o, const float* __restrict__ part_lse,
-                 __nv_bfloat16* __restrict__ o, float* __restrict__ lse, int total_rows) {
+verify_mla_merge(const int* __restrict__ qo_indptr, int batch_size, int num_heads,
+                 const int* __restrict__ req_rt_base,  // [bs + 1] first row tile of each request
+                 const int* __restrict__ rt_seg_base, const float* __restrict__ part_o,
+                 const float* __restrict__ part_lse, __nv_bfloat16* __restrict__ o, float* __restrict__ lse) {
   const int row = blockIdx.x;
   const int token = row / num_heads;
   int lo = 0, hi = batch_size;  // request of this token: qo_indptr[b] <= token < qo_indptr[b + 1]
@@ -444,24 +489,27 @@ verify_mla_merge(const int* __restrict__ qo_indptr, const int* __restrict__ kv_i
     const int mid = (lo + hi) / 2;
     if (qo_indptr[mid] <= token) lo = mid; else hi = mid;
   }
-  const int kv_len = kv_indptr[lo + 1] - kv_indptr[lo];
-  const int chunks = max(1, (kv_len + chunk - 1) / chunk);
+  const int r = row - qo_indptr[lo] * num_heads;
+  const int rt = req_rt_base[lo] + r / VMLA_BM, tr = r % VMLA_BM;
+  const int base = rt_seg_base[rt], segs = rt_seg_base[rt + 1] - base;
+  if (segs <= 1) return;
   float mx = VMLA_NEG_INF;
-  for (int s = 0; s < chunks; ++s) mx = fmaxf(mx, part_lse[static_cast<int64_t>(s) * total_rows + row]);
+  for (int s = 0; s < segs; ++s) mx = fmaxf(mx, part_lse[static_cast<int64_t>(base + s) * VMLA_BM + tr]);
   const float m_use = mx == VMLA_NEG_INF ? 0.f : mx;
   float wsum = 0.f;
-  for (int s = 0; s < chunks; ++s) wsum += __expf(part_lse[static_cast<int64_t>(s) * total_rows + row] - m_use);
+  for (int s = 0; s < segs; ++s) wsum += __expf(part_lse[static_cast<int64_t>(base + s) * VMLA_BM + tr] - m_use);
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   for (int c = threadIdx.x * 4; c < VMLA_VDIM; c += blockDim.x * 4) {
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < chunks; ++s) {
-      const float w = __expf(part_lse[static_cast<int64_t>(s) * total_rows + row] - m_use) * inv;
-      const float4 v = *reinterpret_cast<const float4*>(&part_o[(static_cast<int64_t>(s) * total_rows + row) * VMLA_VDIM + c]);
-      a.x += w * v.x; a.y += w * v.y; a.z += w * v.z; a.w += w * v.w;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < segs; ++s) {
+      const int64_t slot = base + s;
+      const float w = __expf(part_lse[slot * VMLA_BM + tr] - m_use) * inv;
+      const float4 v = *reinterpret_cast<const float4*>(&part_o[(slot * VMLA_BM + tr) * VMLA_VDIM + c]);
+      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
     }
     __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(&o[static_cast<int64_t>(row) * VMLA_VDIM + c]);
-    dst[0] = __floats2bfloat162_rn(a.x, a.y);
-    dst[1] = __floats2bfloat162_rn(a.z, a.w);
+    dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
+    dst[1] = __floats2bfloat162_rn(acc.z, acc.w);
   }
   if (threadIdx.x == 0 && lse != nullptr) lse[row] = wsum > 0.f ? m_use + logf(wsum) : VMLA_NEG_INF;
 }

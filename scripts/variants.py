@@ -22,8 +22,6 @@ BM64 = dict(bm=64, q_smem=True)
 VARIANTS = {
     "bm32_regs": KernelConfig(),
     "bm64_r2k1": KernelConfig(**BM64, rgroups=2, khalves=1),
-    "bm64_r1k2": KernelConfig(**BM64, rgroups=1, khalves=2),
-    "bm64_d2r2k2": KernelConfig(**BM64, dslices=2, rgroups=2, khalves=2),
     "bm64_skip_load": KernelConfig(**BM64, rgroups=2, khalves=1, extra=(("VMLA_SKIP_LOAD", 1),)),
     "bm64_skip_softmax": KernelConfig(**BM64, rgroups=2, khalves=1, extra=(("VMLA_SKIP_SOFTMAX", 1),)),
 }
@@ -49,7 +47,7 @@ def main():
             config = VARIANTS[name]
             try:
                 kern = VerifyKernel.get(config)
-                p = plan(args, H, kern.num_sms, config)
+                p = plan(args, H, kern.num_sms, config).to("cuda")
                 ws = Workspace.for_plan(p)
                 it = [0]
 
@@ -60,12 +58,12 @@ def main():
 
                 fn()
                 ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-                rows.setdefault(case.name, {})[name] = {"ms": ms, "tflops": flops / ms / 1e9, "regs": kern.resources()["registers"], "chunk": p.chunk, "chunks": p.max_chunks}
+                rows.setdefault(case.name, {})[name] = {"ms": ms, "tflops": flops / ms / 1e9, "regs": kern.resources()["registers"], "grid": p.grid, "segments": p.segments}
             except Exception as e:  # noqa: BLE001
                 rows.setdefault(case.name, {})[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
         print(case.name)
         for name, r in rows[case.name].items():
-            print(f"   {name:14s} " + (f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s regs {r['regs']} chunk {r['chunk']}x{r['chunks']}" if "ms" in r else r["error"]))
+            print(f"   {name:14s} " + (f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s regs {r['regs']} grid {r['grid']} segments {r['segments']}" if "ms" in r else r["error"]))
         sys.stdout.flush()
     out = Path(os.environ.get("OUT", "."))
     (out / "variants.json").write_text(json.dumps(rows, indent=1))

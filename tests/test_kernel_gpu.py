@@ -80,7 +80,7 @@ def test_deterministic_and_graph_replay_matches(kern):
     args = marshal(cap).to("cuda")
     q, pool = cap.layer(0).q.cuda(), cap.pool(0, "cuda")
     T, H = cap.num_tokens, cap.meta.num_heads
-    p = kern.plan(args, H)
+    p = kern.plan(args, H).to("cuda")
     assert p.split
     ws = Workspace.for_plan(p)
     outs = []
