@@ -10,7 +10,7 @@ EXTRAS ?= lab,dev
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kdtree-installed
 
-.PHONY: lab test test-gpu captures clean
+.PHONY: lab test test-gpu bench captures clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,9 +25,13 @@ lab: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# Needs a CUDA GPU; on a machine without one the GPU tests skip with a reason.
+# On a machine with a CUDA GPU, torch, CuPy and triton (e.g. the lent H200: `scripts/gpu_session.sh all`
+# does these in one call). Without a GPU the GPU tests skip with a reason.
 test-gpu:
-	python3 -m pytest -q -m gpu tests
+	python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py
+
+bench:
+	python3 -m kdtree bench -o bench-out
 
 captures: $(STAMP)
 	data/captured_batches/regenerate.sh $(BIN)/kdtree

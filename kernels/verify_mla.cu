@@ -161,6 +161,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   const int prefix = a.prefix_lens[b];
   const int* kv_idx = a.kv_indices + kv_start;
   const int64_t grow0 = static_cast<int64_t>(q0) * num_heads + row0;  // global row of this block's first row
+  const int valid_rows = rows - row0;  // < BM in a request's last row tile
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tig = lane % 4;
@@ -255,7 +256,8 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
         uint32_t qa[QK_MT][4];
 #pragma unroll
         for (int mi = 0; mi < QK_MT; ++mi)
-          ldmatrix_x4(qa[mi], &qs[qk_row0 + mi * 16 + ((lane / 8) % 2) * 8 + lane % 8][d0 + (lane / 16) * 8]);
+          if (qk_row0 + mi * 16 < valid_rows)
+            ldmatrix_x4(qa[mi], &qs[qk_row0 + mi * 16 + ((lane / 8) % 2) * 8 + lane % 8][d0 + (lane / 16) * 8]);
 #define VMLA_QFRAG(mi) qa[mi]
 #else
 #define VMLA_QFRAG(mi) qf[mi][ks]
@@ -269,6 +271,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
 #ifndef VMLA_SKIP_QK
 #pragma unroll
           for (int mi = 0; mi < QK_MT; ++mi) {
+            if (qk_row0 + mi * 16 >= valid_rows) continue;  // a tile's last rows may be padding: no work
             mma_bf16(s[mi][np], VMLA_QFRAG(mi), kb[0], kb[1]);
             mma_bf16(s[mi][np + 1], VMLA_QFRAG(mi), kb[2], kb[3]);
           }
@@ -370,7 +373,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi) {
           const int r = mi * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-          ldmatrix_x4(pa[mi], &sm.p[r][kk * 16 + (lane / 16) * 8]);
+          if (mi * 16 < valid_rows) ldmatrix_x4(pa[mi], &sm.p[r][kk * 16 + (lane / 16) * 8]);
         }
 #pragma unroll
         for (int np = 0; np < PV_NT; np += 2) {
@@ -381,6 +384,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
 #ifndef VMLA_SKIP_PV
 #pragma unroll
           for (int mi = 0; mi < MT; ++mi) {
+            if (mi * 16 >= valid_rows) continue;
             mma_bf16(acc[mi][np], pa[mi], vb[0], vb[1]);
             mma_bf16(acc[mi][np + 1], pa[mi], vb[2], vb[3]);
           }

@@ -58,12 +58,12 @@ def main():
 
                 fn()
                 ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-                rows.setdefault(case.name, {})[name] = {"ms": ms, "tflops": flops / ms / 1e9, "regs": kern.resources()["registers"], "grid": p.grid, "segments": p.segments}
+                rows.setdefault(case.name, {})[name] = {"ms": ms, "tflops": flops / ms / 1e9, "regs": kern.resources()["registers"], "local": kern.resources()["local_bytes"], "grid": p.grid, "segments": p.segments}
             except Exception as e:  # noqa: BLE001
                 rows.setdefault(case.name, {})[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
         print(case.name)
         for name, r in rows[case.name].items():
-            print(f"   {name:14s} " + (f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s regs {r['regs']} grid {r['grid']} segments {r['segments']}" if "ms" in r else r["error"]))
+            print(f"   {name:14s} " + (f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s regs {r['regs']} local {r['local']} B grid {r['grid']} segments {r['segments']}" if "ms" in r else r["error"]))
         sys.stdout.flush()
     out = Path(os.environ.get("OUT", "."))
     (out / "variants.json").write_text(json.dumps(rows, indent=1))

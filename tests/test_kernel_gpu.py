@@ -77,10 +77,11 @@ def test_deterministic_and_graph_replay_matches(kern):
     from kdtree.kernel import Workspace
 
     cap = synthesize(fuzz_spec(3), device="cuda", reference=False)  # a long prefix: split + merge path
-    args = marshal(cap).to("cuda")
+    host_args = marshal(cap)
+    args = host_args.to("cuda")
     q, pool = cap.layer(0).q.cuda(), cap.pool(0, "cuda")
     T, H = cap.num_tokens, cap.meta.num_heads
-    p = kern.plan(args, H).to("cuda")
+    p = kern.plan(host_args, H).to("cuda")
     assert p.split
     ws = Workspace.for_plan(p)
     outs = []
