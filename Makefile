@@ -6,7 +6,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch
-EXTRAS ?= lab,dev
+EXTRAS ?= lab,dev,nvrtc
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kdtree-installed
 

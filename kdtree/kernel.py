@@ -124,22 +124,22 @@ def device_arch() -> str:
     return f"sm_{major}{minor}"
 
 
-def compile_options(config: KernelConfig, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    opts = ["-std=c++17", f"-I{KERNEL_DIR}", f"-DKDTREE_SOURCE_HASH=0x{source_hash()}"]
+def compile_options(config: KernelConfig, extra: tuple[str, ...] = (), source: Path = SOURCE) -> tuple[str, ...]:
+    opts = ["-std=c++17", f"-I{source.parent}", f"-DKDTREE_SOURCE_HASH=0x{source_hash(source)}"]
     opts += [f"-D{k}={v}" for k, v in config.defines().items()]
     return tuple(opts) + tuple(extra)
 
 
-def format_compile_error(log: str) -> str:
+def format_compile_error(log: str, source: Path = SOURCE) -> str:
     """NVRTC log with the offending source line quoted under each error."""
     out = []
-    files = {p.name: p.read_text().splitlines() for p in source_files()}
+    files = {p.name: p.read_text().splitlines() for p in source_files(source)}
     for line in log.splitlines():
         out.append(line)
         m = re.match(r"^(.*?)\((\d+)\): (error|warning)", line)
         if m:
             name, no = Path(m.group(1)).name, int(m.group(2))
-            text = files.get(name) or files.get(SOURCE.name)
+            text = files.get(name) or files.get(source.name)
             if text and 0 < no <= len(text):
                 out.append(f"    {no:5d} | {text[no - 1]}")
     return "\n".join(out)
@@ -194,16 +194,16 @@ def _nvrtc_include_dirs() -> list[str]:
     return [d for d in dirs if Path(d, "cuda_bf16.h").exists()]
 
 
-def nvrtc_compile(arch: str, config: KernelConfig | None = None, extra: tuple[str, ...] = ()) -> tuple[bytes, str]:
-    """(cubin, log) of kernels/verify_mla.cu for `arch`, through NVRTC (cuda-bindings)."""
+def nvrtc_compile(arch: str, config: KernelConfig | None = None, extra: tuple[str, ...] = (), source: Path = SOURCE) -> tuple[bytes, str]:
+    """(cubin, log) of kernels/verify_mla.cu (or `source`) for `arch`, through NVRTC (cuda-bindings)."""
     try:
         from cuda.bindings import nvrtc
     except ImportError as e:
         raise RuntimeError("cross-compiling needs NVRTC: pip install -e '.[nvrtc]' (cuda-bindings, nvidia-cuda-nvrtc)") from e
     config = config or KernelConfig.for_arch(arch)
-    src = SOURCE.read_bytes()
-    err, prog = nvrtc.nvrtcCreateProgram(src, SOURCE.name.encode(), 0, [], [])
-    opts = [f"-arch={arch}", "--ptxas-options=-v", *compile_options(config, extra)]
+    src = source.read_bytes()
+    err, prog = nvrtc.nvrtcCreateProgram(src, source.name.encode(), 0, [], [])
+    opts = [f"-arch={arch}", "--ptxas-options=-v", *compile_options(config, extra, source)]
     opts += [f"-I{d}" for d in _nvrtc_include_dirs()]
     (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
     _, n = nvrtc.nvrtcGetProgramLogSize(prog)
@@ -211,7 +211,7 @@ def nvrtc_compile(arch: str, config: KernelConfig | None = None, extra: tuple[st
     nvrtc.nvrtcGetProgramLog(prog, buf)
     log = buf.decode(errors="replace").rstrip("\x00 \n")
     if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise KernelCompileError(f"{SOURCE.name} does not compile for {arch}:\n" + format_compile_error(log))
+        raise KernelCompileError(f"{source.name} does not compile for {arch}:\n" + format_compile_error(log, source))
     _, size = nvrtc.nvrtcGetCUBINSize(prog)
     cubin = b" " * size
     nvrtc.nvrtcGetCUBIN(prog, cubin)

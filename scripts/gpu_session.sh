@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
-# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|test|bench|all]
+# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|test|bench|variants|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-gpu-out}
@@ -18,8 +18,11 @@ case $what in
   smoke|all) step diff 240 python3 -m kdtree diff data/captured_batches/*.safetensors --impl cuda ;;
 esac
 case $what in
-  test|all) step test-gpu 480 python3 -m pytest -q -x tests/test_kernel_gpu.py ;;
+  test|all) step test-gpu 480 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
 esac
 case $what in
   smoke|bench|all) step bench 420 python3 -m kdtree bench -o "$OUT" ;;
+esac
+case $what in
+  variants) step variants 300 python3 scripts/variants.py ;;
 esac

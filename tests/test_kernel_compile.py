@@ -1,0 +1,77 @@
+"""Cross-compiling the kernel without a GPU (NVRTC): resources within each target's limits, header
+changes tracked, compile errors quoted with their source lines."""
+
+import shutil
+
+import pytest
+
+from kdtree.kernel import (
+    ARCH_LIMITS,
+    KernelCompileError,
+    KernelConfig,
+    SOURCE,
+    compile_report,
+    nvrtc_compile,
+    parse_ptxas,
+    source_files,
+    source_hash,
+)
+
+pytest.importorskip("cuda.bindings", reason="NVRTC not installed (pip install -e '.[nvrtc]')")
+
+
+@pytest.mark.parametrize("arch", ["sm_120", "sm_90"])
+def test_kernel_fits_the_target_without_spills(arch):
+    reports = {r.name: r for r in compile_report(arch)}
+    assert set(reports) == {"verify_mla_fwd", "verify_mla_merge"}
+    fwd = reports["verify_mla_fwd"]
+    assert fwd.ok, fwd.line()
+    assert fwd.spill_loads == fwd.spill_stores == 0
+    assert fwd.static_smem + fwd.dynamic_smem <= ARCH_LIMITS[arch]["smem_per_block"]
+    assert fwd.dynamic_smem == KernelConfig.for_arch(arch).smem_bytes
+
+
+def test_sm120_configuration_is_under_the_99kb_cliff():
+    assert KernelConfig.for_arch("sm_120").smem_bytes <= 101_376
+    assert KernelConfig.for_arch("sm_90").smem_bytes > 101_376  # the Hopper config uses its larger shared memory
+
+
+def test_limits_are_enforced():
+    too_big = KernelConfig(stages=3)  # 3 stages of 32 pool rows do not fit sm_120
+    (fwd,) = [r for r in compile_report("sm_120", too_big) if r.name == "verify_mla_fwd"]
+    assert not fwd.ok and "shared memory" in fwd.problems[0]
+
+
+def test_ptxas_report_parsing():
+    log = (
+        "ptxas info    : Compiling entry function 'verify_mla_fwd' for 'sm_120'\n"
+        "ptxas         .     8 bytes stack frame, 12 bytes spill stores, 16 bytes spill loads\n"
+        "ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem\n"
+    )
+    (r,) = parse_ptxas(log, "sm_120", KernelConfig())
+    assert (r.registers, r.stack_bytes, r.spill_stores, r.spill_loads, r.static_smem) == (255, 8, 12, 16, 1024)
+    assert not r.ok and "spills" in r.problems[0]
+
+
+@pytest.fixture
+def kernel_copy(tmp_path):
+    for p in source_files():
+        shutil.copy(p, tmp_path / p.name)
+    return tmp_path / SOURCE.name
+
+
+def test_header_changes_change_the_source_hash(kernel_copy):
+    before = source_hash(kernel_copy)
+    header = kernel_copy.parent / "verify_mla_config.cuh"
+    header.write_text(header.read_text() + "\n// edited\n")
+    assert source_hash(kernel_copy) != before
+
+
+def test_compile_errors_quote_the_offending_line(kernel_copy):
+    text = kernel_copy.read_text().replace("const int q0 = a.qo_indptr[b];", "const int q0 = a.qo_indptr[b] +;", 1)
+    kernel_copy.write_text(text)
+    with pytest.raises(KernelCompileError) as e:
+        nvrtc_compile("sm_120", source=kernel_copy)
+    msg = str(e.value)
+    assert "verify_mla.cu(" in msg and "error" in msg
+    assert "| " in msg and "a.qo_indptr[b] +;" in msg  # the source line, quoted under the error
