@@ -8,7 +8,6 @@ sum_b 2 * N * H * (prefix_b + N) * (576 + 512); bytes are q + o + the pool rows 
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import platform
@@ -136,55 +135,17 @@ def naive_fn(cap: Capture, args: VerifyArgs, sets):
     return fn, o, {}
 
 
-def sglang_extend_attention():
-    """SGLang's Triton extend_attention_fwd, or None with the reason."""
-    errors = []
-    for mod in ("sglang.kernels.ops.attention.extend_attention", "sglang.srt.layers.attention.triton_ops.extend_attention"):
-        try:
-            m = __import__(mod, fromlist=["extend_attention_fwd"])
-            import sglang
-
-            return m.extend_attention_fwd, f"{mod} (sglang {getattr(sglang, '__version__', '?')})"
-        except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-            errors.append(f"{mod}: {type(e).__name__}: {e}")
-    return None, "; ".join(errors)
-
-
 def sglang_fn(cap: Capture, args: VerifyArgs, sets, extend_attention_fwd):
-    """Called exactly as SGLang's Triton backend does in TARGET_VERIFY (causal, custom mask, prefix skipped)."""
-    lid = cap.meta.layer_ids[0]
-    T, H = cap.num_tokens, cap.meta.num_heads
-    k = cap.layer(lid).k.cuda()
-    v = k[..., :512].contiguous()
-    o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
-    kw = {
-        "k_extend": k,
-        "v_extend": v,
-        "o_extend": o,
-        "qo_indptr": cap.qo_indptr.cuda().to(torch.int32),
-        "kv_indptr": cap.kv_indptr.cuda().to(torch.int32),
-        "kv_indices": cap.kv_indices.cuda().to(torch.int64),
-        "custom_mask": cap.custom_mask.cuda(),
-        "is_causal": True,
-        "mask_indptr": cap.mask_indptr.cuda().to(torch.int64),
-        "max_len_extend": int(cap.num_draft.max()),
-        "k_scale": 1.0,
-        "v_scale": 1.0,
-        "sm_scale": float(cap.meta.sm_scale),
-        "logit_cap": float(cap.meta.logit_cap),
-        "skip_prefix_custom_mask": True,
-    }
-    params = inspect.signature(extend_attention_fwd).parameters
-    missing = [p for p, spec in params.items() if spec.default is inspect.Parameter.empty and p not in kw and p not in ("q_extend", "k_buffer", "v_buffer")]
-    if missing:
-        raise RuntimeError(f"extend_attention_fwd wants arguments this benchmark does not know: {missing}")
-    kw = {k2: v2 for k2, v2 in kw.items() if k2 in params}
+    """SGLang's Triton kernel, called as its backend does (kdtree.sglang)."""
+    from kdtree.sglang import verify_call
+
+    call, o = verify_call(cap, cap.meta.layer_ids[0], extend_attention_fwd)
     it = [0]
 
     def fn():
         q, pool = sets[it[0] % len(sets)]
         it[0] += 1
-        extend_attention_fwd(q_extend=q, k_buffer=pool, v_buffer=pool[..., :512], **kw)
+        call(q, pool)
 
     return fn, o, {}
 
@@ -212,7 +173,9 @@ def run(cases=CASES, *, with_sglang: bool = True, min_rotation_bytes: float = 3 
     torch.manual_seed(0)
     ceilings = measure_ceilings(do_bench)
     log(f"ceilings: bf16 matmul {ceilings['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s")
-    ext, ext_what = sglang_extend_attention() if with_sglang else (None, "not asked for")
+    from kdtree.sglang import extend_attention
+
+    ext, ext_what = extend_attention() if with_sglang else (None, "not asked for")
     log(f"SGLang: {ext_what}")
     results = []
     for case in cases:

@@ -93,6 +93,7 @@ def synth(
     pool_size: Optional[int] = typer.Option(None, help="pool slots (default: 1.5x the referenced ones)"),
     extreme_logits: bool = typer.Option(False, help="scale logits x8: rows dominated by one key"),
     logit_cap: float = typer.Option(0.0, help="tanh soft cap (0 = off, as for Kimi/DeepSeek)"),
+    reference: str = typer.Option("oracle", help="what computes o: oracle (fp64), sglang (its Triton kernel; GPU), none"),
     force: bool = typer.Option(False, help="overwrite an existing file"),
 ):
     """Write a synthetic capture in the capture format, with `o` from the fp64 oracle."""
@@ -115,7 +116,7 @@ def synth(
         extreme_logits=extreme_logits,
         logit_cap=logit_cap,
     )
-    cap = synthesize(spec)
+    cap = synthesize(spec, device="cuda" if reference == "sglang" else "cpu", reference=reference)
     save(cap, output)
     typer.echo(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB): {cap!r}")
 
@@ -138,13 +139,17 @@ def diff(
     passes, 1 when any is outside tolerance, 2 on bad input.
     """
     from kdtree.diff import diff_capture
-    from kdtree.impls import IMPLS, default_impl
+    from kdtree.impls import IMPLS, default_impl, unavailable
     from kdtree.marshal import FAULTS
 
     impl = impl or default_impl()
     for name, what in ((impl, "--impl"), (ref, "--ref")):
         if name not in IMPLS:
             raise ValueError(f"{what}: unknown implementation {name!r}; expected one of {', '.join(IMPLS)}")
+    for name in {impl, ref}:
+        why = unavailable(name)
+        if why:
+            raise ValueError(why)
     if inject is not None and inject not in FAULTS:
         raise ValueError(f"--inject: unknown fault {inject!r}; expected one of {', '.join(FAULTS)}")
     if not tol > 0:

@@ -42,6 +42,12 @@ def _cuda(cap: Capture, layer_id: int, device, fault):
     return AttnOutput(o, lse)
 
 
+def _sglang(cap: Capture, layer_id: int, device, fault):
+    from kdtree import sglang
+
+    return AttnOutput(sglang.run(cap, layer_id, device), None)
+
+
 def _stored(cap: Capture, layer_id: int, device, fault):
     layer = cap.layer(layer_id)
     return AttnOutput(layer.o.to(device), None if layer.lse is None else layer.lse.to(device))
@@ -53,6 +59,7 @@ IMPLS: dict[str, tuple[Callable, bool, str]] = {
     "emulation": (_emulation, False, "SGLang Triton numerics: bf16 in, fp32 accumulate, P rounded to bf16"),
     "model": (_model, True, "torch model of the CUDA kernel over the marshaled arguments and the NaN pool"),
     "cuda": (_cuda, True, "the CUDA kernel kernels/verify_mla.cu, JIT-compiled with CuPy (needs a GPU)"),
+    "sglang": (_sglang, False, "SGLang's Triton extend_attention_fwd, called as its backend does (GPU, SGLang importable)"),
     "capture": (_stored, False, "the o/lse stored in the capture (what SGLang's backend produced)"),
 }
 
@@ -62,6 +69,21 @@ def gpu_available() -> bool:
     import importlib.util
 
     return torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
+
+
+def unavailable(name: str) -> str | None:
+    """Why implementation `name` cannot run on this machine, or None."""
+    if name == "cuda" and not gpu_available():
+        return "--impl cuda runs the kernel on a GPU with CuPy; this machine has none (use --impl model)"
+    if name == "sglang":
+        from kdtree.sglang import extend_attention
+
+        if not torch.cuda.is_available():
+            return "sglang runs SGLang's Triton kernel on a GPU; this machine has none"
+        fn, why = extend_attention()
+        if fn is None:
+            return f"SGLang's Triton kernel is not importable here: {why}"
+    return None
 
 
 def default_impl() -> str:

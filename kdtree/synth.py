@@ -166,11 +166,19 @@ def _layer_values(spec: SynthSpec, lid: int, prefix_lens, trees, scale: float, t
     return out
 
 
-def synthesize(spec: SynthSpec, *, device: str = "cpu", reference: bool = True) -> Capture:
-    """Build a validated capture from the spec, `o`/`lse` from the fp64 oracle run on `device`.
+REFERENCES = ("oracle", "sglang", "none")
 
-    `reference=False` leaves `o`/`lse` zero (meta.reference = "none"): for benchmarks, which need inputs only.
+
+def synthesize(spec: SynthSpec, *, device: str = "cpu", reference: bool | str = True) -> Capture:
+    """Build a validated capture from the spec, with `o` from `reference`:
+
+    "oracle" (or True): the fp64 oracle run on `device`, with its LSE; "sglang": SGLang's Triton kernel on
+    the GPU, called as its backend does (no LSE: it does not return one); "none" (or False): zeros, for
+    benchmarks, which need inputs only. meta.reference records which.
     """
+    reference = {True: "oracle", False: "none"}.get(reference, reference)
+    if reference not in REFERENCES:
+        raise ValueError(f"reference must be one of {', '.join(REFERENCES)}, got {reference!r}")
     s = spec.resolved()
     preset = get_preset(s.preset)
     rng = np.random.default_rng(s.seed)
@@ -226,10 +234,20 @@ def synthesize(spec: SynthSpec, *, device: str = "cpu", reference: bool = True) 
         tree_budget=s.budget,
         num_draft_tokens=s.num_draft_tokens,
         source={"kind": "synthetic", "generator": "kdtree.synth", "kdtree_version": __version__, "spec": dataclasses.asdict(s)},
-        reference="kdtree:oracle-fp64" if reference else "none",
+        reference={"oracle": "kdtree:oracle-fp64", "none": "none"}.get(reference, ""),
     )
     draft = Capture.from_tensors(meta, t, validate=False)
-    for lid in s.layers if reference else []:
+    if reference == "sglang":
+        from kdtree import sglang
+
+        fn, where = sglang.extend_attention()
+        if fn is None or not torch.cuda.is_available():
+            raise ValueError(f"--reference sglang needs a GPU and an importable SGLang: {where}")
+        meta.reference = f"sglang:triton extend_attention_fwd from {where}"
+        for lid in s.layers:
+            t[layer_key(lid, "o")] = sglang.run(draft, lid).cpu()
+            del t[layer_key(lid, "lse")]
+    for lid in s.layers if reference == "oracle" else []:
         ref = oracle(draft, lid, device=device)
         t[layer_key(lid, "o")] = ref.o.to(torch.bfloat16).cpu()
         t[layer_key(lid, "lse")] = ref.lse.to(torch.float32).cpu()

@@ -97,6 +97,16 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(smem_addr(p)));
 }
 
+template <int A, int B>
+__device__ __forceinline__ void zero_frags(float (&x)[A][B][4]) {
+#pragma unroll
+  for (int i = 0; i < A; ++i)
+#pragma unroll
+    for (int j = 0; j < B; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[i][j][e] = 0.f;
+}
+
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -219,12 +229,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   const float scale_log2 = sm_scale * LOG2E;
 
   float acc[MT][PV_NT][4];
-#pragma unroll
-  for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < PV_NT; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
+  zero_frags(acc);
 
   for (int t = 0; t < num_tiles; ++t) {
     const int stage = t % VMLA_STAGES;
@@ -242,12 +247,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     // ---- S partial = Q[:, slice] K[keys of this half, slice]^T ----
     {
       float s[QK_MT][QK_NT][4];
-#pragma unroll
-      for (int mi = 0; mi < QK_MT; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < QK_NT; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.f;
+      zero_frags(s);
       const int key_base = khalf * (VMLA_BN / VMLA_KHALVES);
 #pragma unroll
       for (int ks = 0; ks < KSTEPS_PER_SLICE; ++ks) {

@@ -49,6 +49,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         ("info", bad),
         ("synth", "-o", tmp_path / "x.safetensors", "--batch", "3", "--prefix", "1,2"),
         ("synth", "-o", tmp_path / "x.safetensors", "--tree", "bush"),
+        ("synth", "-o", tmp_path / "x.safetensors", "--reference", "bogus"),
     ):
         r = kdtree(*args)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
