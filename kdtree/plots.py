@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import matplotlib
 import numpy as np
+from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 IMPL_COLORS = {"kdtree": "#1f77b4", "sglang": "#d62728", "torch": "#7f7f7f"}
 
@@ -36,5 +39,196 @@ def bench_figure(result: dict) -> Figure:
         a.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
         a.legend(fontsize=8)
     fig.suptitle(f"{result['device']} - {result.get('sglang', '')[:80]}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+# ----- masks ---------------------------------------------------------------------------------------
+NONE, MIXED, ALL = 0, 1, 2  # block states of a downsampled mask: no cell visible, some, every one
+MASK_CMAP = ListedColormap(["#f2f2f2", "#f4a261", "#264653"])
+
+
+def mask_blocks(mask: np.ndarray, max_rows: int = 1024, max_cols: int = 1024) -> tuple[np.ndarray, int, int]:
+    """Downsample a bool [rows, cols] mask to at most max_rows x max_cols blocks without losing an isolated
+    cell: a block is ALL, NONE or MIXED (one odd cell makes it MIXED). Returns (blocks, rows per block,
+    cols per block)."""
+    mask = np.asarray(mask, dtype=bool)
+    r, c = mask.shape
+    fr, fc = max(1, -(-r // max_rows)), max(1, -(-c // max_cols))
+    pr, pc = -(-r // fr) * fr, -(-c // fc) * fc
+    # pad with copies of the edge so padding never turns a uniform block mixed
+    padded = np.pad(mask, ((0, pr - r), (0, pc - c)), mode="edge") if (pr, pc) != (r, c) else mask
+    blocks = padded.reshape(pr // fr, fr, pc // fc, fc)
+    any_ = blocks.any(axis=(1, 3))
+    all_ = blocks.all(axis=(1, 3))
+    return np.where(all_, ALL, np.where(any_, MIXED, NONE)).astype(np.uint8), fr, fc
+
+
+def mask_figure(rows: np.ndarray, prefix_len: int, *, title: str = "", zoom: tuple[int, int, int, int] | None = None,
+                selected: int | None = None, max_cells: int = 1024) -> Figure:
+    """The custom mask of one request as SGLang lays it out, [N, prefix_len + N]: prefix columns then draft
+    columns. `zoom` = (row0, row1, col0, col1) crops first; `selected` outlines one node's row."""
+    rows = np.asarray(rows, dtype=bool)
+    r0, r1, c0, c1 = zoom if zoom is not None else (0, rows.shape[0], 0, rows.shape[1])
+    view = rows[r0:r1, c0:c1]
+    blocks, fr, fc = mask_blocks(view, max_cells, max_cells)
+    fig = Figure(figsize=(9, 3.8))
+    ax = fig.subplots()
+    ax.imshow(blocks, cmap=MASK_CMAP, vmin=0, vmax=2, aspect="auto", interpolation="nearest",
+              extent=(c0 - 0.5, c0 + blocks.shape[1] * fc - 0.5, r0 + blocks.shape[0] * fr - 0.5, r0 - 0.5))
+    if c0 <= prefix_len <= c1:
+        ax.axvline(prefix_len - 0.5, color="#e76f51", lw=1.5, label=f"draft columns start (prefix_len = {prefix_len})")
+    if selected is not None and r0 <= selected < r1:
+        ax.axhspan(selected - 0.5, selected + 0.5, fill=False, ec="#e63946", lw=1.5, label=f"node {selected}")
+    ax.set_xlabel(f"key column (row stride prefix_len + N = {rows.shape[1]})" + (f", {fc} per pixel" if fc > 1 else ""))
+    ax.set_ylabel("draft node (row)" + (f", {fr} per pixel" if fr > 1 else ""))
+    ax.set_title(title or "custom mask")
+    handles = [Patch(color=MASK_CMAP(i), label=lab) for i, lab in ((ALL, "visible"), (MIXED, "mixed block"), (NONE, "hidden"))]
+    ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=7, loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
+# ----- trees ---------------------------------------------------------------------------------------
+def tree_layout(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of every node: y = depth, x = leaves in depth-first order, parents centred over children."""
+    parents = np.asarray(parents)
+    n = len(parents)
+    children = [[] for _ in range(n)]
+    for i in range(1, n):
+        children[parents[i]].append(i)
+    x, y = np.zeros(n), np.zeros(n)
+    next_leaf = 0
+    stack = [(0, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            x[node] = np.mean([x[c] for c in children[node]])
+            continue
+        if parents[node] >= 0:
+            y[node] = y[parents[node]] + 1
+        if not children[node]:
+            x[node] = next_leaf
+            next_leaf += 1
+            continue
+        stack.append((node, True))
+        stack.extend((c, False) for c in reversed(children[node]))
+    return x, y
+
+
+def path_to_root(parents: np.ndarray, node: int) -> list[int]:
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(int(parents[path[-1]]))
+    return path
+
+
+def tree_figure(parents: np.ndarray, *, selected: int | None = None, title: str = "") -> Figure:
+    """The draft tree (parent = deepest visible earlier node), coloured by depth; `selected` and its path
+    to the root are highlighted."""
+    parents = np.asarray(parents)
+    x, y = tree_layout(parents)
+    fig = Figure(figsize=(9, 3.8))
+    ax = fig.subplots()
+    for i in range(1, len(parents)):
+        ax.plot([x[parents[i]], x[i]], [y[parents[i]], y[i]], color="#bbbbbb", lw=0.8, zorder=1)
+    sc = ax.scatter(x, y, c=y, cmap="viridis", s=max(6, 600 / max(1, len(parents)) ** 0.5), zorder=2)
+    if selected is not None:
+        path = path_to_root(parents, selected)
+        ax.plot(x[path], y[path], color="#e63946", lw=2.2, zorder=3)
+        ax.scatter(x[[selected]], y[[selected]], s=90, facecolors="none", edgecolors="#e63946", lw=2, zorder=4)
+    ax.invert_yaxis()
+    ax.set_ylabel("depth")
+    ax.set_xticks([])
+    ax.set_title(title or f"draft tree: {len(parents)} nodes, depth {int(y.max())}")
+    fig.colorbar(sc, ax=ax, label="depth", fraction=0.03)
+    fig.tight_layout()
+    return fig
+
+
+# ----- the MLA pool --------------------------------------------------------------------------------
+PADDING, FREE = 1, 0  # pool map codes; request b's prefix slots are 2 + 2b, its draft slots 3 + 2b
+
+
+def pool_codes(pool_slots: int, prefix_slots: list[np.ndarray], draft_slots: list[np.ndarray]) -> np.ndarray:
+    """Per slot: FREE, PADDING (slot 0), or which request's prefix / draft tokens live there."""
+    codes = np.zeros(pool_slots, dtype=np.int32)
+    codes[0] = PADDING
+    for b, (p, d) in enumerate(zip(prefix_slots, draft_slots)):
+        codes[np.asarray(p, dtype=np.int64)] = 2 + 2 * b
+        codes[np.asarray(d, dtype=np.int64)] = 3 + 2 * b
+    return codes
+
+
+def pool_map_image(codes: np.ndarray, width: int = 512, max_rows: int = 512) -> tuple[np.ndarray, int]:
+    """Codes wrapped into rows of `width` cells; a cell spans several slots when the pool is large, and
+    shows the most specific code among them (draft > prefix > padding > free). Returns (image, slots per cell)."""
+    n = len(codes)
+    per_cell = max(1, -(-n // (width * max_rows)))
+    cells = -(-n // per_cell)
+    padded = np.full(cells * per_cell, FREE, dtype=codes.dtype)
+    padded[:n] = codes
+    binned = padded.reshape(cells, per_cell)
+    rank = np.where(binned >= 2, 2 + (binned % 2 == 1), binned)  # draft 3 > prefix 2 > padding 1 > free 0
+    pick = binned[np.arange(cells), rank.argmax(axis=1)]
+    rows = -(-cells // width)
+    img = np.full(rows * width, -1, dtype=np.int32)
+    img[:cells] = pick
+    return img.reshape(rows, width), per_cell
+
+
+def pool_figure(codes: np.ndarray, num_requests: int, *, width: int = 512) -> Figure:
+    """The pool as a map: free slots, slot 0, each request's prefix (light) and draft (dark) slots."""
+    img, per_cell = pool_map_image(codes, width)
+    base = ["#ffffff", "#000000"]
+    pal = []
+    cmap20 = matplotlib.colormaps["tab20"]
+    for b in range(num_requests):
+        pal += [cmap20((2 * b + 1) % 20), cmap20((2 * b) % 20)]  # light prefix, dark draft
+    cmap = ListedColormap(["#dddddd"] + base + pal)  # -1 = past the end
+    fig = Figure(figsize=(9, 4))
+    ax = fig.subplots()
+    ax.imshow(img + 1, cmap=cmap, vmin=0, vmax=len(base) + len(pal), aspect="auto", interpolation="nearest")
+    ax.set_title(f"MLA pool: {len(codes):,} slots, {per_cell} per cell, rows of {width * per_cell:,} slots")
+    ax.set_xticks([])
+    ax.set_ylabel("row")
+    handles = [Patch(color="#ffffff", ec="#999999", label="free"), Patch(color="#000000", label="slot 0 (padding)")]
+    for b in range(min(num_requests, 6)):
+        handles += [Patch(color=pal[2 * b], label=f"req {b} prefix"), Patch(color=pal[2 * b + 1], label=f"req {b} draft")]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    return fig
+
+
+def kv_row_figure(rows: np.ndarray, slots: list[int], latent: int = 512) -> Figure:
+    """Chosen pool rows as values: the 512 latent columns (c_KV, also V) | the 64 rope columns (k_pe)."""
+    rows = np.asarray(rows, dtype=np.float32)
+    fig = Figure(figsize=(9, 1 + 0.45 * len(slots)))
+    ax = fig.subplots()
+    lim = float(np.nanmax(np.abs(rows))) if np.isfinite(rows).any() else 1.0
+    im = ax.imshow(rows, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
+    ax.axvline(latent - 0.5, color="black", lw=1.5)
+    ax.set_yticks(range(len(slots)))
+    ax.set_yticklabels([f"slot {s}" for s in slots])
+    ax.set_xlabel(f"column: 0..{latent - 1} latent c_KV (= V) | {latent}..{rows.shape[1] - 1} rope k_pe")
+    fig.colorbar(im, ax=ax, fraction=0.03)
+    fig.tight_layout()
+    return fig
+
+
+# ----- errors --------------------------------------------------------------------------------------
+def error_map_figure(row_rel: np.ndarray, depths: np.ndarray, *, title: str = "") -> Figure:
+    """Relative error per (node, head) with each node's depth beside it."""
+    row_rel = np.asarray(row_rel, dtype=np.float64)
+    fig = Figure(figsize=(9, 4))
+    ax, axd = fig.subplots(1, 2, gridspec_kw={"width_ratios": [12, 1]}, sharey=True)
+    im = ax.imshow(np.log10(np.maximum(row_rel, 1e-12)), aspect="auto", cmap="magma", interpolation="nearest")
+    ax.set_xlabel("head")
+    ax.set_ylabel("token (draft node)")
+    ax.set_title(title or "log10 rel error per (node, head)")
+    fig.colorbar(im, ax=ax, fraction=0.03)
+    axd.imshow(np.asarray(depths)[:, None], aspect="auto", cmap="viridis", interpolation="nearest")
+    axd.set_xticks([])
+    axd.set_title("depth", fontsize=8)
     fig.tight_layout()
     return fig
