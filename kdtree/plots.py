@@ -232,3 +232,12 @@ def error_map_figure(row_rel: np.ndarray, depths: np.ndarray, *, title: str = ""
     axd.set_title("depth", fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def to_png(fig: Figure, dpi: int = 90) -> bytes:
+    """PNG bytes of a figure (what notebooks and widgets display: no pyplot state involved)."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()

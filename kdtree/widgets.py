@@ -1,0 +1,88 @@
+"""Widgets for the notebooks: they only wire controls to the pure figure functions in kdtree.plots.
+
+Each explorer keeps its selection and a count of renders in `.state`, so a test (or a curious user) can
+read back what the kernel side last drew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ipywidgets as W
+from IPython.display import Image, display
+
+from kdtree import plots
+from kdtree.capture import Capture, load
+from kdtree.validate import tree_block_problem
+
+
+@dataclass
+class ExplorerState:
+    capture: str = ""
+    request: int = 0
+    node: int = 0
+    view: str = "draft block"
+    renders: int = 0
+    checks: list[str] = field(default_factory=list)
+
+
+def request_checks(cap: Capture) -> list[str]:
+    """The loader's tree checks, one line per request."""
+    out = []
+    for b in range(cap.batch_size):
+        problem = tree_block_problem(cap.tree_block(b))
+        out.append(f"request {b}: prefix {int(cap.prefix_lens[b])}, N {int(cap.num_draft[b])}: " + (problem or "well-formed tree"))
+    return out
+
+
+class DDTreeExplorer:
+    """Capture, request, view (whole mask or draft block), zoom and node; draws the mask and the tree."""
+
+    def __init__(self, paths: list[Path]):
+        self.paths = {Path(p).name: Path(p) for p in paths}
+        self.state = ExplorerState()
+        self._cap: Capture | None = None
+        self.capture = W.Dropdown(options=list(self.paths), description="capture")
+        self.request = W.IntSlider(description="request", min=0, max=0)
+        self.view = W.ToggleButtons(options=["draft block", "whole mask"], description="view")
+        self.zoom = W.FloatSlider(description="zoom", min=1.0, max=64.0, value=1.0, step=1.0,
+                                  tooltip="whole mask: show the last 1/zoom of the columns (the draft end)")
+        self.node = W.IntSlider(description="node", min=0, max=0)
+        self.out = W.Output()
+        self.capture.observe(self._on_capture, names="value")
+        for w in (self.request, self.view, self.zoom, self.node):
+            w.observe(lambda _change: self.render(), names="value")
+        self.widget = W.VBox([W.HBox([self.capture, self.request]), W.HBox([self.view, self.zoom]), self.node, self.out])
+        self._on_capture(None)
+
+    def _on_capture(self, _change) -> None:
+        self._cap = load(self.paths[self.capture.value])
+        with self.request.hold_trait_notifications():
+            self.request.max = self._cap.batch_size - 1
+            self.request.value = min(self.request.value, self.request.max)
+        self.state.checks = request_checks(self._cap)
+        self.render()
+
+    def render(self) -> None:
+        cap, b = self._cap, self.request.value
+        n = int(cap.num_draft[b])
+        if self.node.max != n - 1:
+            with self.node.hold_trait_notifications():
+                self.node.max = n - 1
+                self.node.value = min(self.node.value, n - 1)
+        node, p = self.node.value, int(cap.prefix_lens[b])
+        if self.view.value == "draft block":
+            rows = cap.tree_block(b).numpy()
+            mask = plots.mask_figure(rows, 0, selected=node, title=f"request {b}: draft block, one cell per node")
+        else:
+            rows = cap.mask_rows(b).numpy()
+            width = rows.shape[1]
+            c0 = int(width - width / self.zoom.value)
+            mask = plots.mask_figure(rows, p, selected=node, zoom=(0, n, c0, width), title=f"request {b}: [N, prefix_len + N] mask")
+        tree = plots.tree_figure(cap.parents(b), selected=node, title=f"request {b}: node {node} at depth {int(cap.depths(b)[node])}")
+        self.state = ExplorerState(self.capture.value, b, node, self.view.value, self.state.renders + 1, self.state.checks)
+        with self.out:
+            self.out.clear_output(wait=True)
+            display(Image(plots.to_png(mask)), Image(plots.to_png(tree)))
+            print("\n".join(self.state.checks))

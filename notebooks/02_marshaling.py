@@ -1,0 +1,91 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Marshaling, step by step
+# From SGLang's TARGET_VERIFY tensors to what the verify kernel reads, for one request - then the two
+# historical bugs injected beside the correct path.
+
+# %%
+from pathlib import Path
+
+from IPython.display import Image
+
+import kdtree
+from kdtree import plots
+from kdtree.diff import diff_capture
+from kdtree.marshal import FAULTS, marshal, unpack_bits
+
+cap = kdtree.load(Path("../data/captured_batches/ddtree64-bs3.safetensors"))
+b = 1
+args = marshal(cap)
+step = args.steps[b]
+print(cap)
+
+# %% [markdown]
+# **1. The prefix slots** are `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`: committed tokens only.
+
+# %%
+print(f"kv_indptr[{b}:{b + 2}] = {cap.kv_indptr[b:b + 2].tolist()}  ->  prefix_len = {step.prefix_len}")
+print("prefix slots:", step.prefix_slots[:12].tolist(), "...", step.prefix_slots[-4:].tolist())
+
+# %% [markdown]
+# **2. The draft tokens' keys** were written by `set_kv_buffer` at `out_cache_loc` before attention ran.
+
+# %%
+print(f"qo_indptr[{b}:{b + 2}] = {cap.qo_indptr[b:b + 2].tolist()}  ->  N = {step.num_draft}")
+print("draft slots (out_cache_loc slice):", step.draft_slots.tolist())
+
+# %% [markdown]
+# **3. The combined list** the kernel walks: prefix ++ drafts, `prefix_len + N` keys.
+
+# %%
+kvp = args.combined_kv_indptr.tolist()
+print(f"combined_kv_indptr[{b}:{b + 2}] = {kvp[b:b + 2]}  (= cumsum of prefix_len + N)")
+print("last keys of the combined list:", step.combined_slots[-(step.num_draft + 3):].tolist())
+
+# %% [markdown]
+# **4. The mask block** of request b starts at `mask_indptr[b]`; its rows are `prefix_len + N` long, because
+# every row holds the prefix columns and then the draft columns. Row i, draft column j is at
+# `mask_indptr[b] + i * (prefix_len + N) + prefix_len + j`.
+
+# %%
+print(f"mask_indptr[{b}] = {step.mask_start}, row stride = prefix_len + N = {step.prefix_len} + {step.num_draft} = {step.mask_row_stride}")
+Image(plots.to_png(plots.mask_figure(cap.mask_rows(b).numpy(), step.prefix_len, zoom=(0, step.num_draft, step.prefix_len - 40, step.mask_row_stride), title="request b's rows, the end of the prefix and the draft columns")))
+
+# %% [markdown]
+# **5. The extracted tree block**, packed to bits per row (`tree_mask`), unpacked here: every node sees itself
+# and its ancestors.
+
+# %%
+block = unpack_bits(args.tree_mask[int(cap.qo_indptr[b]) : int(cap.qo_indptr[b + 1])], step.num_draft)
+assert (block == cap.tree_block(b)).all()
+Image(plots.to_png(plots.mask_figure(block.numpy(), 0, title="tree block from tree_mask bits")))
+
+# %% [markdown]
+# ## The two historical bugs
+# Same capture, marshaled wrongly, run through the torch model of the kernel and diffed against the fp64 oracle.
+
+# %%
+for fault, what in [(None, "correct")] + list(FAULTS.items()):
+    (d,) = diff_capture(cap, "model", fault=fault, device="cpu")
+    print(f"{fault or 'correct':15s} {d.line()}\n{'':15s} ({what})")
+
+# %%
+wrong = marshal(cap, "prefix-stride").steps[b]
+print(f"prefix-stride reads rows at stride {wrong.mask_row_stride} instead of {step.mask_row_stride}: what the kernel would see")
+Image(plots.to_png(plots.mask_figure(wrong.tree_block.numpy(), 0, title="tree block read with the wrong stride")))
+
+# %%
+only = marshal(cap, "prefix-only-kv").steps[b]
+print(f"prefix-only-kv: {len(only.combined_slots)} keys instead of {len(step.combined_slots)}; the {step.num_draft} draft keys at out_cache_loc are never read")

@@ -1,0 +1,48 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # MLA buffer layout
+# The pool as SGLang's allocator left it: slot 0 (padding), free slots, each request's prefix slots and its
+# draft slots (`out_cache_loc`). Then chosen rows as values: 512 latent columns (c_KV, also V) | 64 rope (k_pe).
+
+# %%
+from pathlib import Path
+
+from IPython.display import Image
+
+import kdtree
+from kdtree import plots
+from kdtree.info import summarize
+
+cap = kdtree.load(Path("../data/captured_batches/mixed-prefix.safetensors"))
+m = cap.meta
+codes = plots.pool_codes(m.pool_size + m.page_size, [cap.prefix_slots(b).numpy() for b in range(cap.batch_size)],
+                         [cap.draft_slots(b).numpy() for b in range(cap.batch_size)])
+Image(plots.to_png(plots.pool_figure(codes, cap.batch_size, width=64)))
+
+# %%
+s = summarize(cap)
+print(f"{s['pool']['referenced_slots']} of {m.pool_size} slots referenced ({100 * s['pool']['occupancy']:.1f}%), "
+      f"mean run of consecutive slots {s['pool']['mean_run_length']:.1f}")
+for r in s["requests"]:
+    print(f"request {r['request']}: prefix {r['prefix_len']:5d}, N {r['num_draft']}, {r['slot_runs']} runs of consecutive slots")
+
+# %%
+b = 4
+slots = [int(cap.prefix_slots(b)[0]), int(cap.prefix_slots(b)[1]), int(cap.draft_slots(b)[0]), int(cap.draft_slots(b)[1])]
+pool = cap.pool(0)
+Image(plots.to_png(plots.kv_row_figure(pool[slots, 0].float().numpy(), slots)))
+
+# %%
+print("a slot nothing references is NaN in the rebuilt pool:", pool[int(codes.argmin()), 0, :4].tolist())

@@ -1,0 +1,55 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Kernel diff
+# Compile `kernels/verify_mla.cu` (resources for sm_120 and the present GPU), run it on captures and diff it
+# against the fp64 oracle. Edit the `.cu` (or a header it includes) and re-run: the change is picked up.
+# Without a GPU the kernel cannot run: the notebook says so, compile-checks sm_120/sm_90 and diffs the
+# emulation of SGLang's numerics instead.
+
+# %%
+from pathlib import Path
+
+from IPython.display import Image
+
+import kdtree
+from kdtree import plots
+from kdtree.diff import diff_capture
+from kdtree.impls import gpu_available
+from kdtree.kernel import compile_report, device_arch
+
+GPU = gpu_available()
+print("GPU:", device_arch() if GPU else "none here - running the emulation instead of the kernel")
+targets = ["sm_120"] + ([device_arch()] if GPU and device_arch() != "sm_120" else ["sm_90"])
+for arch in targets:
+    for r in compile_report(arch):
+        print(r.line())
+
+# %%
+impl = "cuda" if GPU else "emulation"
+captures = [Path("../data/captured_batches/dsv3-3layers.safetensors"), Path("../data/captured_batches/extreme-logits.safetensors")]
+results = {}
+for path in captures:
+    cap = kdtree.load(path)
+    results[path.name] = (cap, diff_capture(cap, impl, "oracle"))
+    print(path.name)
+    for d in results[path.name][1]:
+        print("  " + d.line() + ("" if d.passed else "  FAIL"))
+
+# %%
+cap, diffs = results["dsv3-3layers.safetensors"]
+d = diffs[0]
+depth = [int(cap.depths(b)[i]) for b in range(cap.batch_size) for i in range(int(cap.num_draft[b]))]
+print("worst:", d.worst)
+Image(plots.to_png(plots.error_map_figure(d.row_rel.numpy(), depth, title=f"{impl} vs oracle, layer {d.layer}")))

@@ -1,0 +1,34 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Benchmark
+# `kdtree bench` results: the kernel against SGLang's Triton kernel and plain torch, timed in the same run,
+# with the roofline from ceilings measured in that run. The shipped result was measured on an H200
+# (see docs/kernel-notes.md); point `RESULT` at your own `bench.json` to see yours.
+
+# %%
+import json
+from pathlib import Path
+
+from IPython.display import Image
+
+from kdtree import plots
+from kdtree.bench import summary_table
+
+RESULT = Path("../docs/bench/v5b-h200.json")
+result = json.loads(RESULT.read_text())
+print(summary_table(result))
+
+# %%
+Image(plots.to_png(plots.bench_figure(result)))
