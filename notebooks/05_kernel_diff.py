@@ -27,13 +27,15 @@ import kdtree
 from kdtree import plots
 from kdtree.diff import diff_capture
 from kdtree.impls import gpu_available
-from kdtree.kernel import compile_report, device_arch
+from kdtree.kernel import KernelConfig, device_arch, nvrtc_compile, parse_ptxas
 
 GPU = gpu_available()
 print("GPU:", device_arch() if GPU else "none here - running the emulation instead of the kernel")
 targets = ["sm_120"] + ([device_arch()] if GPU and device_arch() != "sm_120" else ["sm_90"])
 for arch in targets:
-    for r in compile_report(arch):
+    _, log = nvrtc_compile(arch)  # a compile error raises KernelCompileError quoting the offending lines
+    print(f"--- NVRTC log, {arch} ---\n{log}")
+    for r in parse_ptxas(log, arch, KernelConfig.for_arch(arch)):
         print(r.line())
 
 # %%
