@@ -5,7 +5,8 @@
   against the target's limits.
 - `VerifyKernel` JIT-compiles the same source with CuPy for the present GPU, recompiling whenever the
   source **or any header it includes** changes (their hash goes into the compile options, which CuPy's
-  cache keys on), and launches on torch's current stream with tensors exchanged through DLPack.
+  cache keys on), and launches on torch's current stream, passing the tensors' device pointers (zero-copy; no
+  DLPack export in the launch path, since one can synchronise streams, which a CUDA-graph capture forbids).
   `plan()` + `Workspace` + `launch()` keep the launch CUDA-graph safe: no allocation, no host sync, no
   data-dependent host logic; everything is sized from the batch's upper bounds beforehand.
 """
@@ -18,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kdtree.marshal import VerifyArgs
@@ -292,8 +294,6 @@ class LaunchPlan:
 
 def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *, blocks_per_sm: int = 1) -> LaunchPlan:
     """Cut the batch into row tiles x key tiles and share the units equally among one block per SM."""
-    import numpy as np
-
     n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
     kv = (args.combined_kv_indptr[1:] - args.combined_kv_indptr[:-1]).numpy().astype(np.int64)
     row_tiles = -(-n * num_heads // config.bm)
@@ -363,7 +363,6 @@ class VerifyKernel:
 
         self.cupy = cupy
         self.config = config = config or KernelConfig.for_arch(device_arch())
-        self.hash = source_hash()
         options = compile_options(config)
         try:
             self.module = cupy.RawModule(code=SOURCE.read_text(), options=options)
@@ -405,16 +404,12 @@ class VerifyKernel:
         return self._streams[key]
 
     def _ptr(self, t: torch.Tensor | None):
-        import numpy as np
-
         return np.uint64(0 if t is None else t.data_ptr())
 
     def launch(self, p: LaunchPlan, args: VerifyArgs, q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor,
                lse: torch.Tensor | None, ws: Workspace) -> None:
         """Enqueue the kernel(s) on torch's current stream. Everything (args, plan arrays, workspace) must
         already be on the GPU: no allocation, no copy, no sync - graph-capturable."""
-        import numpy as np
-
         i32, f32 = np.int32, np.float32
         pa = p.arrays
         with self._stream(torch.cuda.current_stream()):

@@ -123,7 +123,7 @@ __device__ __forceinline__ void load_tile_slots(Smem& sm, int slot, const int* _
   }
 }
 
-// Gather BN pool rows (keys [k0, k0 + BN) of this chunk, slot ids already in idx[slot]) into one stage;
+// Gather BN pool rows (keys [k0, k0 + BN) of this segment, slot ids already in idx[slot]) into one stage;
 // rows past k_end are zero.
 __device__ __forceinline__ void load_kv_tile(Smem& sm, int stage, int slot, const __nv_bfloat16* __restrict__ kv_buffer,
                                              int k0, int k_end) {
