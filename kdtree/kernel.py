@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,13 +118,19 @@ class KernelConfig:
         idx = 2 * self.stages * self.bn * 4  # ring of slot ids fetched ahead of the rows
         s = self.dslices * self.bm * (self.bn + 8) * 4  # fp32 partial scores
         p = self.bm * (self.bn + 8) * 2  # bf16 probabilities
-        stats = 3 * self.bm * 4  # alpha, m, l per row
+        stats = 2 * self.bm * 4  # alpha, l per row
         return q + kv + idx + s + p + stats
 
 
 def device_arch() -> str:
     major, minor = torch.cuda.get_device_capability()
     return f"sm_{major}{minor}"
+
+
+def default_config() -> KernelConfig:
+    """The configuration for the present GPU, or for the target named by $KDTREE_KERNEL_TARGET (e.g. sm_120:
+    run the RTX PRO 6000's lock-step kernel on an H200, which has room for it)."""
+    return KernelConfig.for_arch(os.environ.get("KDTREE_KERNEL_TARGET") or device_arch())
 
 
 def compile_options(config: KernelConfig, extra: tuple[str, ...] = (), source: Path = SOURCE) -> tuple[str, ...]:
@@ -362,7 +369,7 @@ class VerifyKernel:
         import cupy
 
         self.cupy = cupy
-        self.config = config = config or KernelConfig.for_arch(device_arch())
+        self.config = config = config or default_config()
         options = compile_options(config)
         try:
             self.module = cupy.RawModule(code=SOURCE.read_text(), options=options)
@@ -377,7 +384,7 @@ class VerifyKernel:
     @classmethod
     def get(cls, config: KernelConfig | None = None) -> "VerifyKernel":
         """The compiled kernel, recompiled when kernels/*.cu or a header it includes changed."""
-        config = config or KernelConfig.for_arch(device_arch())
+        config = config or default_config()
         key = (source_hash(), config, torch.cuda.current_device())
         if key not in cls._cache:
             cls._cache[key] = cls(config)

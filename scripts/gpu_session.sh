@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
-# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|test|bench|variants|all]
+# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|test|bench|variants|notebooks|all] ...
+# (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures)
 set -uo pipefail
-what=${1:-all}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then   # carried wheels (SGLang and what its import chain needs)
@@ -12,17 +12,19 @@ fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n 25 "$OUT/$name.log"; echo "== $name rc=$rc ($((SECONDS - t0)) s)"; }
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n 25 "$OUT/$name.log"; echo "== $name rc=$rc ($((SECONDS - t0)) s)"
+  return $rc; }
 step compile 120 python3 -m kdtree compile --arch sm_90 --arch sm_120
-case $what in
-  smoke|all) step diff 240 python3 -m kdtree diff data/captured_batches/*.safetensors --impl cuda ;;
-esac
-case $what in
-  test|all) step test-gpu 480 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
-esac
-case $what in
-  smoke|bench|all) step bench 420 python3 -m kdtree bench -o "$OUT" ;;
-esac
-case $what in
-  variants) step variants 300 python3 scripts/variants.py ;;
-esac
+for w in "$@"; do [ "$w" = all ] && set -- smoke test; done
+[ $# -eq 0 ] && set -- smoke test
+for w in "$@"; do
+  case $w in
+    smoke) step diff 120 python3 -m kdtree diff data/captured_batches/*.safetensors --impl cuda \
+             || { echo "smoke failed: stopping"; exit 1; }
+           step bench 360 python3 -m kdtree bench -o "$OUT" ;;
+    bench) step bench 360 python3 -m kdtree bench -o "$OUT" ;;
+    test) step test-gpu 480 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
+    variants) step variants 300 python3 scripts/variants.py ;;
+    notebooks) step notebooks 420 python3 -m pytest -q tests/test_notebooks.py ;;
+  esac
+done

@@ -18,22 +18,27 @@ from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, plan  # noqa: E
 from kdtree.marshal import marshal  # noqa: E402
 from kdtree.synth import synthesize  # noqa: E402
 
-BM64 = dict(bm=64, q_smem=True)
+BM64 = dict(bm=64, q_smem=True, rgroups=2, khalves=1)
 VARIANTS = {
-    "bm32_regs": KernelConfig(),
-    "bm64_r2k1": KernelConfig(**BM64, rgroups=2, khalves=1),
-    "bm64_skip_load": KernelConfig(**BM64, rgroups=2, khalves=1, extra=(("VMLA_SKIP_LOAD", 1),)),
-    "bm64_skip_softmax": KernelConfig(**BM64, rgroups=2, khalves=1, extra=(("VMLA_SKIP_SOFTMAX", 1),)),
+    "bm32_regs": KernelConfig(),  # sm_120's configuration
+    "bm64_r2k1": KernelConfig(**BM64),  # sm_90's configuration
+    "bm64_16warps": KernelConfig(**(BM64 | dict(warps=16, khalves=2))),  # 128 registers each: spills
+    # the same kernel with parts of each tile's work left out (wrong output; where does the time go?)
+    **{
+        f"bm64_skip_{n}": KernelConfig(**BM64, extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks))
+        for n, ks in {"qk": ["QK"], "pv": ["PV"], "mma": ["QK", "PV"], "softmax": ["SOFTMAX"], "load": ["LOAD"],
+                      "all": ["QK", "PV", "SOFTMAX", "LOAD"]}.items()
+    },
 }
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", nargs="*", default=["32k x4", "dsv3", "small tree", "8k x8"])
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--cases", nargs="*", default=["32k x4", "dsv3", "small tree", "8k x8", "mixed"])
+    ap.add_argument("--variants", nargs="*", default=["bm64_r2k1", "bm32_regs", "bm64_skip_mma", "bm64_skip_softmax", "bm64_skip_load", "bm64_skip_all"])
     a = ap.parse_args()
     cases = [c for c in bench.CASES if any(s in c.name for s in a.cases)]
-    rows = {}
+    rows, first = {}, {}
     for case in cases:
         cap = synthesize(case.spec(), reference=False)
         args = marshal(cap)
@@ -56,14 +61,18 @@ def main():
                     it[0] += 1
                     kern.launch(p, dev, q, pool, o, lse, ws)
 
+                it[0] = 0
                 fn()
+                torch.cuda.synchronize()
+                ref = first.setdefault(case.name, o.float().clone())  # the first variant's output
+                rel = float((o.float() - ref).norm() / ref.norm())
                 ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-                rows.setdefault(case.name, {})[name] = {"ms": ms, "tflops": flops / ms / 1e9, "regs": kern.resources()["registers"], "local": kern.resources()["local_bytes"], "grid": p.grid, "segments": p.segments}
+                rows.setdefault(case.name, {})[name] = {"rel_vs_first": rel, "ms": ms, "tflops": flops / ms / 1e9, "regs": kern.resources()["registers"], "local": kern.resources()["local_bytes"], "grid": p.grid, "segments": p.segments}
             except Exception as e:  # noqa: BLE001
                 rows.setdefault(case.name, {})[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
         print(case.name)
         for name, r in rows[case.name].items():
-            print(f"   {name:14s} " + (f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s regs {r['regs']} local {r['local']} B grid {r['grid']} segments {r['segments']}" if "ms" in r else r["error"]))
+            print(f"   {name:14s} " + (f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s rel {r['rel_vs_first']:.1e} regs {r['regs']} local {r['local']} B grid {r['grid']} segments {r['segments']}" if "ms" in r else r["error"]))
         sys.stdout.flush()
     out = Path(os.environ.get("OUT", "."))
     (out / "variants.json").write_text(json.dumps(rows, indent=1))

@@ -43,12 +43,16 @@ def check_against_references(cap, lid, out):
     return d
 
 
-def test_shared_memory_size_agrees_with_the_source(kern):
+@pytest.mark.parametrize("target", [None, "sm_120"], ids=["this-gpu", "sm_120-config"])
+def test_shared_memory_size_agrees_with_the_source(target):
     import cupy
 
-    ptr = kern.module.get_global("verify_mla_smem_bytes")
+    from kdtree.kernel import KernelConfig, VerifyKernel
+
+    k = VerifyKernel.get(KernelConfig.for_arch(target) if target else None)
+    ptr = k.module.get_global("verify_mla_smem_bytes")
     value = cupy.ndarray((1,), dtype=cupy.int32, memptr=ptr).get()
-    assert int(value[0]) == kern.config.smem_bytes
+    assert int(value[0]) == k.config.smem_bytes
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
@@ -105,6 +109,23 @@ def test_deterministic_and_graph_replay_matches(kern):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(o.view(torch.int16), outs[0][0].view(torch.int16))
+
+
+@pytest.mark.parametrize("seed", range(0, 200, 4))
+def test_lockstep_kernel_sm120_configuration(monkeypatch, seed):
+    """The kernel sm_120 runs (verify_mla.cu, 32 rows, Q in registers, < 99 KB) also runs here: every shipped
+    capture (seed 0) and every fourth fuzz batch."""
+    monkeypatch.setenv("KDTREE_KERNEL_TARGET", "sm_120")
+    from kdtree.kernel import KernelConfig, VerifyKernel
+
+    assert VerifyKernel.get().config == KernelConfig.for_arch("sm_120")
+    if seed == 0:
+        for path in SHIPPED:
+            cap = load(path)
+            for lid in cap.meta.layer_ids:
+                check_against_references(cap, lid, run_impl("cuda", cap, lid, device="cuda"))
+    cap = synthesize(fuzz_spec(seed), device="cuda", reference=False)
+    check_against_references(cap, 0, run_impl("cuda", cap, 0, device="cuda"))
 
 
 def test_logit_cap_is_supported(kern):

@@ -1,0 +1,359 @@
+// Pieces both verify kernels share: PTX wrappers, the argument block, the online-softmax step of one
+// thread's keys, the epilogue that writes o/lse or a partial, and the LSE merge of split row tiles.
+#pragma once
+#include <cuda_bf16.h>
+
+#include "verify_mla_config.cuh"
+
+// NVRTC has no <stdint.h>
+using uint32_t = unsigned int;
+using int64_t = long long;
+
+namespace vmla {
+
+constexpr int ROW_STRIDE = VMLA_DIM + 8;  // bf16 elems per staged row; +16 B keeps ldmatrix conflict-free
+constexpr int S_STRIDE = VMLA_BN + 8;     // fp32 elems per partial-score row
+constexpr int P_STRIDE = VMLA_BN + 8;     // bf16 elems per P row
+constexpr int KSTEPS = VMLA_DIM / 16;     // k16 steps of QK over the 576 dims
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+#define VMLA_NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+  const int bytes = valid ? 16 : 0;  // 0: fill with zeros, read nothing
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
+  const int bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+template <int A, int B>
+__device__ __forceinline__ void zero_frags(float (&x)[A][B][4]) {
+#pragma unroll
+  for (int i = 0; i < A; ++i)
+#pragma unroll
+    for (int j = 0; j < B; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[i][j][e] = 0.f;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A m16 x k16 fragment (rows r0.., cols c0..) of a row-major bf16 tile in shared memory.
+template <int STRIDE>
+__device__ __forceinline__ void load_a_frag(uint32_t (&r)[4], const __nv_bfloat16* base, int r0, int c0, int lane) {
+  ldmatrix_x4(r, base + (r0 + ((lane / 8) % 2) * 8 + lane % 8) * STRIDE + c0 + (lane / 16) * 8);
+}
+
+struct Args {
+  const __nv_bfloat16* __restrict__ q;          // [T * H, 576]
+  const __nv_bfloat16* __restrict__ kv_buffer;  // [pool rows, 576]
+  const int* __restrict__ qo_indptr;            // [bs + 1]
+  const int* __restrict__ kv_indptr;            // [bs + 1]  combined: prefix_len + N
+  const int* __restrict__ kv_indices;           // combined slot lists
+  const int* __restrict__ prefix_lens;          // [bs]
+  const int* __restrict__ tree_mask;            // [T, mask_words]
+  int mask_words, num_heads;
+  float sm_scale, logit_cap;
+  __nv_bfloat16* __restrict__ o;                // [T * H, 512]
+  float* __restrict__ lse;                      // [T * H] or null
+};
+
+// One row's state in the online softmax (m in the log2 domain).
+struct RowState {
+  float m = VMLA_NEG_INF, l = 0.f;
+};
+
+// The softmax step for one thread's COLS consecutive keys [key0, key0 + COLS) of one row (TPR threads
+// share the row, adjacent lanes): scale, cap, mask (prefix keys always visible, draft key j visible when
+// bit j of the row's tree_mask is set), online max/sum. Writes P (bf16) to p and returns alpha, the factor
+// the row's accumulator must be multiplied by.
+template <int COLS, int TPR>
+__device__ __forceinline__ float softmax_step(RowState& st, float (&x)[COLS], __nv_bfloat16* p, const Args& a, int key0,
+                                              int k_end, int prefix, bool row_valid, int token) {
+  const float scale_log2 = a.sm_scale * LOG2E;
+#ifdef VMLA_SKIP_SOFTMAX  // timing experiment: P = scores, no mask/max/exp/sums
+  __nv_bfloat16 pq[COLS];
+#pragma unroll
+  for (int c = 0; c < COLS; ++c) pq[c] = __float2bfloat16_rn(x[c] * 1e-3f);
+#pragma unroll
+  for (int c4 = 0; c4 < COLS; c4 += 4) *reinterpret_cast<uint2*>(p + c4) = *reinterpret_cast<const uint2*>(&pq[c4]);
+  st.l = 1.f;
+  return 1.f;
+#else
+  if (a.logit_cap > 0.f) {  // a uniform branch: without it every score would pay for tanhf
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) x[c] = a.logit_cap * tanhf(x[c] * a.sm_scale / a.logit_cap) * LOG2E;
+  } else {
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) x[c] *= scale_log2;
+  }
+  float tile_max = VMLA_NEG_INF;
+#pragma unroll
+  for (int c = 0; c < COLS; ++c) {
+    const int key = key0 + c;
+    const float v = x[c];
+    bool visible = key < k_end;
+    if (visible && key >= prefix && row_valid) {
+      const int j = key - prefix;
+      visible = (a.tree_mask[static_cast<int64_t>(token) * a.mask_words + (j >> 5)] >> (j & 31)) & 1;
+    }
+    x[c] = visible ? v : VMLA_NEG_INF;
+    tile_max = fmaxf(tile_max, x[c]);
+  }
+#pragma unroll
+  for (int off = TPR / 2; off > 0; off /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+  const float m_new = fmaxf(st.m, tile_max);
+  const float m_use = m_new == VMLA_NEG_INF ? 0.f : m_new;
+  const float alpha = exp2f(st.m - m_use);
+  float psum = 0.f;
+  __nv_bfloat16 pb[COLS];
+#pragma unroll
+  for (int c = 0; c < COLS; ++c) {
+    const float pv = exp2f(x[c] - m_use);
+    psum += pv;
+    pb[c] = __float2bfloat16_rn(pv);
+  }
+#pragma unroll
+  for (int off = TPR / 2; off > 0; off /= 2) psum += __shfl_xor_sync(0xffffffffu, psum, off);
+  st.l = st.l * alpha + psum;
+  st.m = m_new;
+#pragma unroll
+  for (int c4 = 0; c4 < COLS; c4 += 4) *reinterpret_cast<uint2*>(p + c4) = *reinterpret_cast<const uint2*>(&pb[c4]);
+  return alpha;
+#endif
+}
+
+// Sum the DSLICES partial-score rows (float4s) of one thread's COLS keys.
+template <int COLS, int DSLICES>
+__device__ __forceinline__ void sum_partials(float (&x)[COLS], const float* s0, int slice_stride) {
+#pragma unroll
+  for (int c4 = 0; c4 < COLS; c4 += 4) {
+    float4 v = *reinterpret_cast<const float4*>(s0 + c4);
+#pragma unroll
+    for (int d = 1; d < DSLICES; ++d) {
+      const float4 w = *reinterpret_cast<const float4*>(s0 + d * slice_stride + c4);
+      v.x += w.x; v.y += w.y; v.z += w.z; v.w += w.w;
+    }
+    x[c4] = v.x; x[c4 + 1] = v.y; x[c4 + 2] = v.z; x[c4 + 3] = v.w;
+  }
+}
+
+// A row's LSE (natural log) from its online-softmax state; -inf where it saw no visible key.
+__device__ __forceinline__ float row_lse(const RowState& st) {
+  return st.l > 0.f ? (st.m + log2f(st.l)) * LN2 : VMLA_NEG_INF;
+}
+
+// Epilogue of one warp's accumulator (m16 tiles x n8 tiles of output columns from col0): rows r of the tile
+// (tile row index; global row grow0 + r, valid while r < valid_rows) divided by their l (l_final[r]), as bf16
+// into o or, for a split tile, as fp32 into the partial out_o[BM][512].
+template <int MTILES, int NTILES>
+__device__ __forceinline__ void store_acc(const float (&acc)[MTILES][NTILES][4], int r0, int col0, int valid_rows,
+                                          const float* l_final, const Args& a, int64_t grow0, float* out_o, int lane) {
+  const int g = lane / 4, tig = lane % 4;
+#pragma unroll
+  for (int mi = 0; mi < MTILES; ++mi)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + mi * 16 + g + half * 8;
+      if (r >= valid_rows) continue;
+      const float l = l_final[r];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+      for (int ni = 0; ni < NTILES; ++ni) {
+        const int c = col0 + ni * 8 + tig * 2;
+        const float v0 = acc[mi][ni][half * 2] * inv, v1 = acc[mi][ni][half * 2 + 1] * inv;
+        if (out_o == nullptr) {
+          *reinterpret_cast<__nv_bfloat162*>(&a.o[(grow0 + r) * VMLA_VDIM + c]) = __floats2bfloat162_rn(v0, v1);
+        } else {
+          *reinterpret_cast<float2*>(&out_o[r * VMLA_VDIM + c]) = make_float2(v0, v1);
+        }
+      }
+    }
+}
+
+// Scale a warp's accumulator rows by their alpha (alpha[r] for tile row r0 + mi * 16 + g (+ 8)).
+template <int MTILES, int NTILES>
+__device__ __forceinline__ void rescale_acc(float (&acc)[MTILES][NTILES][4], const float* alpha, int r0, int lane) {
+  const int g = lane / 4;
+#pragma unroll
+  for (int mi = 0; mi < MTILES; ++mi) {
+    const float a_lo = alpha[r0 + mi * 16 + g], a_hi = alpha[r0 + mi * 16 + g + 8];
+#pragma unroll
+    for (int ni = 0; ni < NTILES; ++ni) {
+      acc[mi][ni][0] *= a_lo; acc[mi][ni][1] *= a_lo;
+      acc[mi][ni][2] *= a_hi; acc[mi][ni][3] *= a_hi;
+    }
+  }
+}
+
+// O += P V for one warp: its m16 tiles of P (rows p_row0.. of p, [rows][P_STRIDE]; tiles at or past
+// valid_rows skipped) times the stage's V columns [col0, col0 + 8 * NTILES) over the tile's BN keys.
+template <int MTILES, int NTILES>
+__device__ __forceinline__ void pv_step(float (&acc)[MTILES][NTILES][4], const __nv_bfloat16* p, int p_row0,
+                                        const __nv_bfloat16* v, int col0, int valid_rows, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < VMLA_BN / 16; ++kk) {
+    uint32_t pa[MTILES][4];
+#pragma unroll
+    for (int mi = 0; mi < MTILES; ++mi)
+      if (p_row0 + mi * 16 < valid_rows) load_a_frag<P_STRIDE>(pa[mi], p, p_row0 + mi * 16, kk * 16, lane);
+#pragma unroll
+    for (int np = 0; np < NTILES; np += 2) {
+      uint32_t vb[4];
+      const int key = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+      ldmatrix_x4_trans(vb, v + key * ROW_STRIDE + col0 + np * 8 + (lane / 16) * 8);
+#ifndef VMLA_SKIP_PV
+#pragma unroll
+      for (int mi = 0; mi < MTILES; ++mi) {
+        if (p_row0 + mi * 16 >= valid_rows) continue;  // padding rows: no work
+        mma_bf16(acc[mi][np], pa[mi], vb[0], vb[1]);
+        mma_bf16(acc[mi][np + 1], pa[mi], vb[2], vb[3]);
+      }
+#else
+      acc[0][np][0] += __uint_as_float(vb[0] ^ vb[3] ^ pa[0][0]);
+#endif
+    }
+  }
+}
+
+// Write one warp's fp32 QK partial (m16 tiles from row r0, n8 tiles of keys from col0) to s[rows][S_STRIDE].
+template <int MTILES, int NTILES>
+__device__ __forceinline__ void store_scores(float* s, const float (&x)[MTILES][NTILES][4], int r0, int col0, int lane) {
+  const int g = lane / 4, tig = lane % 4;
+#pragma unroll
+  for (int mi = 0; mi < MTILES; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NTILES; ++ni) {
+      float* row = s + (r0 + mi * 16 + g) * S_STRIDE + col0 + ni * 8 + tig * 2;
+      *reinterpret_cast<float2*>(row) = make_float2(x[mi][ni][0], x[mi][ni][1]);
+      *reinterpret_cast<float2*>(row + 8 * S_STRIDE) = make_float2(x[mi][ni][2], x[mi][ni][3]);
+    }
+}
+
+}  // namespace vmla
+
+// Combine the partials of every row whose tile was split across blocks, through their LSEs (rows of
+// tiles written whole by one block are left alone). One block of 128 threads per row.
+extern "C" __global__ void __launch_bounds__(128)
+verify_mla_merge(const int* __restrict__ qo_indptr, int batch_size, int num_heads,
+                 const int* __restrict__ req_rt_base,  // [bs + 1] first row tile of each request
+                 const int* __restrict__ rt_seg_base, const float* __restrict__ part_o,
+                 const float* __restrict__ part_lse, __nv_bfloat16* __restrict__ o, float* __restrict__ lse) {
+  const int row = blockIdx.x;
+  const int token = row / num_heads;
+  int lo = 0, hi = batch_size;  // request of this token: qo_indptr[b] <= token < qo_indptr[b + 1]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (qo_indptr[mid] <= token) lo = mid; else hi = mid;
+  }
+  const int r = row - qo_indptr[lo] * num_heads;
+  const int rt = req_rt_base[lo] + r / VMLA_BM, tr = r % VMLA_BM;
+  const int base = rt_seg_base[rt], segs = rt_seg_base[rt + 1] - base;
+  if (segs <= 1) return;
+  float mx = VMLA_NEG_INF;
+  for (int s = 0; s < segs; ++s) mx = fmaxf(mx, part_lse[static_cast<int64_t>(base + s) * VMLA_BM + tr]);
+  const float m_use = mx == VMLA_NEG_INF ? 0.f : mx;
+  float wsum = 0.f;
+  for (int s = 0; s < segs; ++s) wsum += __expf(part_lse[static_cast<int64_t>(base + s) * VMLA_BM + tr] - m_use);
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  for (int c = threadIdx.x * 4; c < VMLA_VDIM; c += blockDim.x * 4) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < segs; ++s) {
+      const int64_t slot = base + s;
+      const float w = __expf(part_lse[slot * VMLA_BM + tr] - m_use) * inv;
+      const float4 v = *reinterpret_cast<const float4*>(&part_o[(slot * VMLA_BM + tr) * VMLA_VDIM + c]);
+      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+    }
+    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(&o[static_cast<int64_t>(row) * VMLA_VDIM + c]);
+    dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
+    dst[1] = __floats2bfloat162_rn(acc.z, acc.w);
+  }
+  if (threadIdx.x == 0 && lse != nullptr) lse[row] = wsum > 0.f ? m_use + logf(wsum) : VMLA_NEG_INF;
+}
+
+// The forward kernels' parameters (both have the same signature, which kdtree.kernel launches) and the
+// stream-K plan among them: block c takes work units [cta_unit_start[c], cta_unit_start[c + 1]) of the list
+// of (row tile, key tile) units; row tile rt owns units [rt_unit_start[rt], rt_unit_start[rt + 1]).
+#define VMLA_FWD_PARAMS                                                                                          \
+  const __nv_bfloat16 *__restrict__ q, const __nv_bfloat16 *__restrict__ kv_buffer,                              \
+      const int *__restrict__ qo_indptr, const int *__restrict__ kv_indptr, const int *__restrict__ kv_indices, \
+      const int *__restrict__ prefix_lens, const int *__restrict__ tree_mask, int mask_words, int num_heads,     \
+      float sm_scale, float logit_cap, __nv_bfloat16 *__restrict__ o, float *__restrict__ lse,                 \
+      const int *__restrict__ cta_unit_start, const int *__restrict__ cta_first_rt,                            \
+      const int *__restrict__ rt_unit_start, const int *__restrict__ rt_request,                               \
+      const int *__restrict__ rt_row0, const int *__restrict__ rt_first_cta,                                   \
+      const int *__restrict__ rt_seg_base, float *__restrict__ part_o, float *__restrict__ part_lse
+#define VMLA_FWD_UNPACK                                                                                          \
+  const vmla::Args a{q, kv_buffer, qo_indptr, kv_indptr, kv_indices, prefix_lens, tree_mask, mask_words,         \
+                     num_heads, sm_scale, logit_cap, o, lse};                                                    \
+  const vmla::Plan plan{cta_unit_start, cta_first_rt, rt_unit_start, rt_request,                                 \
+                        rt_row0,        rt_first_cta, rt_seg_base,   part_o,     part_lse};
+
+namespace vmla {
+
+struct Plan {
+  const int* cta_unit_start;  // [grid + 1]
+  const int* cta_first_rt;    // [grid]
+  const int* rt_unit_start;   // [row tiles + 1]
+  const int* rt_request;      // [row tiles]
+  const int* rt_row0;         // [row tiles] first row within its request
+  const int* rt_first_cta;    // [row tiles] block holding the tile's first unit
+  const int* rt_seg_base;     // [row tiles + 1] partial slots of each tile
+  float* part_o;              // [segments, BM, 512]
+  float* part_lse;            // [segments, BM]
+};
+
+// This block's segments (one row tile's share of units each), in order: fn(b, row0, k_begin, k_end, out_o,
+// out_lse), out_o/out_lse null where the block holds the tile whole (it writes o/lse directly).
+template <typename Fn>
+__device__ __forceinline__ void for_each_segment(const Args& a, const Plan& pl, Fn&& fn) {
+  const int c = blockIdx.x;
+  int u = pl.cta_unit_start[c];
+  const int u_end = pl.cta_unit_start[c + 1];
+  for (int rt = pl.cta_first_rt[c]; u < u_end; ++rt) {
+    const int t0 = pl.rt_unit_start[rt], t1 = pl.rt_unit_start[rt + 1];
+    const int seg_end = min(u_end, t1);
+    const int b = pl.rt_request[rt];
+    const int kv_len = a.kv_indptr[b + 1] - a.kv_indptr[b];
+    const int k_begin = (u - t0) * VMLA_BN, k_end = min(kv_len, (seg_end - t0) * VMLA_BN);
+    const int segments = pl.rt_seg_base[rt + 1] - pl.rt_seg_base[rt];
+    float* out_o = nullptr;
+    float* out_lse = nullptr;
+    if (segments > 1) {
+      const int64_t slot = pl.rt_seg_base[rt] + (c - pl.rt_first_cta[rt]);
+      out_o = pl.part_o + slot * VMLA_BM * VMLA_VDIM;
+      out_lse = pl.part_lse + slot * VMLA_BM;
+    }
+    fn(b, pl.rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse);
+    u = seg_end;
+  }
+}
+
+}  // namespace vmla
