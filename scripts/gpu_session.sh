@@ -22,9 +22,9 @@ for w in "$@"; do
     smoke) step diff 120 python3 -m kdtree diff data/captured_batches/*.safetensors --impl cuda \
              || { echo "smoke failed: stopping"; exit 1; }
            step bench 360 python3 -m kdtree bench -o "$OUT" ;;
-    bench) step bench 360 python3 -m kdtree bench -o "$OUT" ;;
+    bench) step bench 180 python3 -m kdtree bench -o "$OUT" ;;
     test) step test-gpu 480 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
     variants) step variants 300 python3 scripts/variants.py ;;
-    notebooks) step notebooks 420 python3 -m pytest -q tests/test_notebooks.py ;;
+    notebooks) step notebooks 240 python3 -m pytest -q -rs tests/test_notebooks.py ;;
   esac
 done
