@@ -24,8 +24,13 @@ def test_notebook_is_paired_clean_and_in_sync(path: Path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_headless(path: Path):
+def test_notebook_runs_headless(path: Path, monkeypatch):
+    # the kernel inherits the environment: a crash prints its Python traceback to stderr; a stuck cell is
+    # interrupted after the timeout, so its KeyboardInterrupt traceback says where it stuck
+    monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    client = NotebookClient(nb, timeout=180, interrupt_on_timeout=True, allow_errors=True, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    client.execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-    assert not errors
+    assert not errors, "\n".join(f"{e.ename}: {e.evalue}\n" + "\n".join(e.traceback[-6:]) for e in errors)
