@@ -25,6 +25,6 @@ for w in "$@"; do
     bench) step bench 180 python3 -m kdtree bench -o "$OUT" ;;
     test) step test-gpu 480 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
     variants) step variants 300 python3 scripts/variants.py ;;
-    notebooks) step notebooks 240 python3 -m pytest -q -rs tests/test_notebooks.py ;;
+    notebooks) step notebooks 420 python3 -m pytest -q -rs tests/test_notebooks.py ;;
   esac
 done

@@ -29,7 +29,7 @@ def test_notebook_runs_headless(path: Path, monkeypatch):
     # interrupted after the timeout, so its KeyboardInterrupt traceback says where it stuck
     monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=180, interrupt_on_timeout=True, allow_errors=True, kernel_name="python3",
+    client = NotebookClient(nb, timeout=120, interrupt_on_timeout=True, allow_errors=True, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
     client.execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
