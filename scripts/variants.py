@@ -61,7 +61,6 @@ def main():
                     it[0] += 1
                     kern.launch(p, dev, q, pool, o, lse, ws)
 
-                it[0] = 0
                 fn()
                 torch.cuda.synchronize()
                 ref = first.setdefault(case.name, o.float().clone())  # the first variant's output
