@@ -189,12 +189,6 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     }
     store_scores(&sm.s[dslice][0][0], s, qk_row0, key_base, lane);
   };
-  // ---- softmax step of the tile at k0: scale, cap, mask, online max/sum; P and alpha to shared memory ----
-  auto softmax = [&](float (&x)[COLS_PER_THREAD], int k0) {
-    const float alpha = softmax_step<COLS_PER_THREAD, THREADS_PER_ROW>(st, x, &sm.p[srow][scol], a, k0 + scol, k_end,
-                                                                       prefix, srow_valid, stoken);
-    if (tid % THREADS_PER_ROW == 0) sm.alpha[srow] = alpha;
-  };
 
   for (int t = 0; t < num_tiles; ++t) {
     const int stage = t % VMLA_STAGES;
@@ -210,13 +204,16 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     }
     qk_tile(stage);
     __syncthreads();
+    // ---- softmax step: sum the partials, scale, cap, mask, online max/sum; P and alpha to shared memory ----
     float x[COLS_PER_THREAD];
     sum_partials<COLS_PER_THREAD, VMLA_DSLICES>(x, &sm.s[0][srow][scol], VMLA_BM * S_STRIDE);
-    softmax(x, k0);
+    const float alpha = softmax_step<COLS_PER_THREAD, THREADS_PER_ROW>(st, x, &sm.p[srow][scol], a, k0 + scol, k_end,
+                                                                       prefix, srow_valid, stoken);
+    if (tid % THREADS_PER_ROW == 0) sm.alpha[srow] = alpha;
     __syncthreads();
     // ---- O = alpha * O + P V for this warp's output columns ----
-    rescale_acc(acc, sm.alpha, 0, lane);
-    pv_step(acc, &sm.p[0][0], 0, &sm.kv[stage][0][0], warp * PV_COLS, valid_rows, lane);
+    rescale_acc(acc, sm.alpha, lane);
+    pv_step(acc, &sm.p[0][0], &sm.kv[stage][0][0], warp * PV_COLS, valid_rows, lane);
   }
 
   // ---- epilogue ----
@@ -231,17 +228,50 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     }
   }
   __syncthreads();
-  store_acc(acc, 0, warp * PV_COLS, valid_rows, sm.l_final, a, grow0, out_o, lane);
+  store_acc(acc, warp * PV_COLS, valid_rows, sm.l_final, a, grow0, out_o, lane);
   cp_async_wait_all();  // slot-id prefetches past the end must land before the next segment reuses the ring
   __syncthreads();      // the next segment reuses every shared buffer
 }
 
-// Persistent stream-K grid: one block per SM walks its share of the work units (vmla::for_each_segment).
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) verify_mla_fwd(VMLA_FWD_PARAMS) {
+// Persistent stream-K grid: block c takes work units [cta_unit_start[c], cta_unit_start[c + 1]) of the list of
+// (row tile, key tile) units; row tile rt owns units [rt_unit_start[rt], rt_unit_start[rt + 1]).
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv_buffer,
+               const int* __restrict__ qo_indptr, const int* __restrict__ kv_indptr,
+               const int* __restrict__ kv_indices, const int* __restrict__ prefix_lens,
+               const int* __restrict__ tree_mask, int mask_words, int num_heads, float sm_scale, float logit_cap,
+               __nv_bfloat16* __restrict__ o, float* __restrict__ lse,
+               const int* __restrict__ cta_unit_start,  // [grid + 1]
+               const int* __restrict__ cta_first_rt,    // [grid]
+               const int* __restrict__ rt_unit_start,   // [row tiles + 1]
+               const int* __restrict__ rt_request,      // [row tiles]
+               const int* __restrict__ rt_row0,         // [row tiles] first row within its request
+               const int* __restrict__ rt_first_cta,    // [row tiles] block holding the tile's first unit
+               const int* __restrict__ rt_seg_base,     // [row tiles + 1] partial slots of each tile
+               float* __restrict__ part_o,              // [segments, BM, 512]
+               float* __restrict__ part_lse) {          // [segments, BM]
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
-  VMLA_FWD_UNPACK
-  for_each_segment(a, plan, [&](int b, int row0, int k_begin, int k_end, float* out_o, float* out_lse) {
-    verify_segment(sm, a, b, row0, k_begin, k_end, out_o, out_lse);
-  });
+  const Args a{q, kv_buffer, qo_indptr, kv_indptr, kv_indices, prefix_lens, tree_mask, mask_words, num_heads,
+               sm_scale, logit_cap, o, lse};
+  const int c = blockIdx.x;
+  int u = cta_unit_start[c];
+  const int u_end = cta_unit_start[c + 1];
+  for (int rt = cta_first_rt[c]; u < u_end; ++rt) {
+    const int t0 = rt_unit_start[rt], t1 = rt_unit_start[rt + 1];
+    const int seg_end = min(u_end, t1);
+    const int b = rt_request[rt];
+    const int kv_len = a.kv_indptr[b + 1] - a.kv_indptr[b];
+    const int k_begin = (u - t0) * VMLA_BN, k_end = min(kv_len, (seg_end - t0) * VMLA_BN);
+    const int segments = rt_seg_base[rt + 1] - rt_seg_base[rt];
+    float* out_o = nullptr;
+    float* out_lse = nullptr;
+    if (segments > 1) {
+      const int64_t slot = rt_seg_base[rt] + (c - rt_first_cta[rt]);
+      out_o = part_o + slot * VMLA_BM * VMLA_VDIM;
+      out_lse = part_lse + slot * VMLA_BM;
+    }
+    verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse);
+    u = seg_end;
+  }
 }

@@ -1,5 +1,6 @@
-// Pieces both verify kernels share: PTX wrappers, the argument block, the online-softmax step of one
-// thread's keys, the epilogue that writes o/lse or a partial, and the LSE merge of split row tiles.
+// The verify kernel's building blocks, apart from its tile loop (verify_mla.cu): PTX wrappers, the argument
+// block, the online-softmax step of one thread's keys, P.V, the epilogue that writes o/lse or a partial, and
+// the LSE merge of split row tiles.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -171,17 +172,17 @@ __device__ __forceinline__ float row_lse(const RowState& st) {
 }
 
 // Epilogue of one warp's accumulator (m16 tiles x n8 tiles of output columns from col0): rows r of the tile
-// (tile row index; global row grow0 + r, valid while r < valid_rows) divided by their l (l_final[r]), as bf16
-// into o or, for a split tile, as fp32 into the partial out_o[BM][512].
+// (global row grow0 + r, valid while r < valid_rows) divided by their l (l_final[r]), as bf16 into o or, for a
+// split tile, as fp32 into the partial out_o[BM][512].
 template <int MTILES, int NTILES>
-__device__ __forceinline__ void store_acc(const float (&acc)[MTILES][NTILES][4], int r0, int col0, int valid_rows,
+__device__ __forceinline__ void store_acc(const float (&acc)[MTILES][NTILES][4], int col0, int valid_rows,
                                           const float* l_final, const Args& a, int64_t grow0, float* out_o, int lane) {
   const int g = lane / 4, tig = lane % 4;
 #pragma unroll
   for (int mi = 0; mi < MTILES; ++mi)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int r = r0 + mi * 16 + g + half * 8;
+      const int r = mi * 16 + g + half * 8;
       if (r >= valid_rows) continue;
       const float l = l_final[r];
       const float inv = l > 0.f ? 1.f / l : 0.f;
@@ -198,13 +199,13 @@ __device__ __forceinline__ void store_acc(const float (&acc)[MTILES][NTILES][4],
     }
 }
 
-// Scale a warp's accumulator rows by their alpha (alpha[r] for tile row r0 + mi * 16 + g (+ 8)).
+// Scale a warp's accumulator rows by their alpha (alpha[r] for tile row mi * 16 + g (+ 8)).
 template <int MTILES, int NTILES>
-__device__ __forceinline__ void rescale_acc(float (&acc)[MTILES][NTILES][4], const float* alpha, int r0, int lane) {
+__device__ __forceinline__ void rescale_acc(float (&acc)[MTILES][NTILES][4], const float* alpha, int lane) {
   const int g = lane / 4;
 #pragma unroll
   for (int mi = 0; mi < MTILES; ++mi) {
-    const float a_lo = alpha[r0 + mi * 16 + g], a_hi = alpha[r0 + mi * 16 + g + 8];
+    const float a_lo = alpha[mi * 16 + g], a_hi = alpha[mi * 16 + g + 8];
 #pragma unroll
     for (int ni = 0; ni < NTILES; ++ni) {
       acc[mi][ni][0] *= a_lo; acc[mi][ni][1] *= a_lo;
@@ -213,17 +214,17 @@ __device__ __forceinline__ void rescale_acc(float (&acc)[MTILES][NTILES][4], con
   }
 }
 
-// O += P V for one warp: its m16 tiles of P (rows p_row0.. of p, [rows][P_STRIDE]; tiles at or past
-// valid_rows skipped) times the stage's V columns [col0, col0 + 8 * NTILES) over the tile's BN keys.
+// O += P V for one warp: the m16 tiles of P ([rows][P_STRIDE]; tiles at or past valid_rows skipped) times the
+// stage's V columns [col0, col0 + 8 * NTILES) over the tile's BN keys.
 template <int MTILES, int NTILES>
-__device__ __forceinline__ void pv_step(float (&acc)[MTILES][NTILES][4], const __nv_bfloat16* p, int p_row0,
+__device__ __forceinline__ void pv_step(float (&acc)[MTILES][NTILES][4], const __nv_bfloat16* p,
                                         const __nv_bfloat16* v, int col0, int valid_rows, int lane) {
 #pragma unroll
   for (int kk = 0; kk < VMLA_BN / 16; ++kk) {
     uint32_t pa[MTILES][4];
 #pragma unroll
     for (int mi = 0; mi < MTILES; ++mi)
-      if (p_row0 + mi * 16 < valid_rows) load_a_frag<P_STRIDE>(pa[mi], p, p_row0 + mi * 16, kk * 16, lane);
+      if (mi * 16 < valid_rows) load_a_frag<P_STRIDE>(pa[mi], p, mi * 16, kk * 16, lane);
 #pragma unroll
     for (int np = 0; np < NTILES; np += 2) {
       uint32_t vb[4];
@@ -232,7 +233,7 @@ __device__ __forceinline__ void pv_step(float (&acc)[MTILES][NTILES][4], const _
 #ifndef VMLA_SKIP_PV
 #pragma unroll
       for (int mi = 0; mi < MTILES; ++mi) {
-        if (p_row0 + mi * 16 >= valid_rows) continue;  // padding rows: no work
+        if (mi * 16 >= valid_rows) continue;  // padding rows: no work
         mma_bf16(acc[mi][np], pa[mi], vb[0], vb[1]);
         mma_bf16(acc[mi][np + 1], pa[mi], vb[2], vb[3]);
       }
@@ -297,63 +298,3 @@ verify_mla_merge(const int* __restrict__ qo_indptr, int batch_size, int num_head
   }
   if (threadIdx.x == 0 && lse != nullptr) lse[row] = wsum > 0.f ? m_use + logf(wsum) : VMLA_NEG_INF;
 }
-
-// The forward kernels' parameters (both have the same signature, which kdtree.kernel launches) and the
-// stream-K plan among them: block c takes work units [cta_unit_start[c], cta_unit_start[c + 1]) of the list
-// of (row tile, key tile) units; row tile rt owns units [rt_unit_start[rt], rt_unit_start[rt + 1]).
-#define VMLA_FWD_PARAMS                                                                                          \
-  const __nv_bfloat16 *__restrict__ q, const __nv_bfloat16 *__restrict__ kv_buffer,                              \
-      const int *__restrict__ qo_indptr, const int *__restrict__ kv_indptr, const int *__restrict__ kv_indices, \
-      const int *__restrict__ prefix_lens, const int *__restrict__ tree_mask, int mask_words, int num_heads,     \
-      float sm_scale, float logit_cap, __nv_bfloat16 *__restrict__ o, float *__restrict__ lse,                 \
-      const int *__restrict__ cta_unit_start, const int *__restrict__ cta_first_rt,                            \
-      const int *__restrict__ rt_unit_start, const int *__restrict__ rt_request,                               \
-      const int *__restrict__ rt_row0, const int *__restrict__ rt_first_cta,                                   \
-      const int *__restrict__ rt_seg_base, float *__restrict__ part_o, float *__restrict__ part_lse
-#define VMLA_FWD_UNPACK                                                                                          \
-  const vmla::Args a{q, kv_buffer, qo_indptr, kv_indptr, kv_indices, prefix_lens, tree_mask, mask_words,         \
-                     num_heads, sm_scale, logit_cap, o, lse};                                                    \
-  const vmla::Plan plan{cta_unit_start, cta_first_rt, rt_unit_start, rt_request,                                 \
-                        rt_row0,        rt_first_cta, rt_seg_base,   part_o,     part_lse};
-
-namespace vmla {
-
-struct Plan {
-  const int* cta_unit_start;  // [grid + 1]
-  const int* cta_first_rt;    // [grid]
-  const int* rt_unit_start;   // [row tiles + 1]
-  const int* rt_request;      // [row tiles]
-  const int* rt_row0;         // [row tiles] first row within its request
-  const int* rt_first_cta;    // [row tiles] block holding the tile's first unit
-  const int* rt_seg_base;     // [row tiles + 1] partial slots of each tile
-  float* part_o;              // [segments, BM, 512]
-  float* part_lse;            // [segments, BM]
-};
-
-// This block's segments (one row tile's share of units each), in order: fn(b, row0, k_begin, k_end, out_o,
-// out_lse), out_o/out_lse null where the block holds the tile whole (it writes o/lse directly).
-template <typename Fn>
-__device__ __forceinline__ void for_each_segment(const Args& a, const Plan& pl, Fn&& fn) {
-  const int c = blockIdx.x;
-  int u = pl.cta_unit_start[c];
-  const int u_end = pl.cta_unit_start[c + 1];
-  for (int rt = pl.cta_first_rt[c]; u < u_end; ++rt) {
-    const int t0 = pl.rt_unit_start[rt], t1 = pl.rt_unit_start[rt + 1];
-    const int seg_end = min(u_end, t1);
-    const int b = pl.rt_request[rt];
-    const int kv_len = a.kv_indptr[b + 1] - a.kv_indptr[b];
-    const int k_begin = (u - t0) * VMLA_BN, k_end = min(kv_len, (seg_end - t0) * VMLA_BN);
-    const int segments = pl.rt_seg_base[rt + 1] - pl.rt_seg_base[rt];
-    float* out_o = nullptr;
-    float* out_lse = nullptr;
-    if (segments > 1) {
-      const int64_t slot = pl.rt_seg_base[rt] + (c - pl.rt_first_cta[rt]);
-      out_o = pl.part_o + slot * VMLA_BM * VMLA_VDIM;
-      out_lse = pl.part_lse + slot * VMLA_BM;
-    }
-    fn(b, pl.rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse);
-    u = seg_end;
-  }
-}
-
-}  // namespace vmla
