@@ -93,6 +93,13 @@ class KernelConfig:
             return cls(bm=64, rgroups=2, khalves=1, q_smem=True)
         return cls()
 
+    @classmethod
+    def candidates(cls, arch: str) -> tuple["KernelConfig", ...]:
+        """The configurations `choose_plan` picks from on this target, the default first: parts with ~227 KB
+        also have the 32-row kernel, which wins on small batches of short trees (fewer padding rows)."""
+        first = cls.for_arch(arch)
+        return (first,) if first == cls() else (first, cls())
+
     def defines(self) -> dict[str, int]:
         return dict(self.extra) | {
             "VMLA_BM": self.bm,
@@ -118,7 +125,7 @@ class KernelConfig:
         idx = 2 * self.stages * self.bn * 4  # ring of slot ids fetched ahead of the rows
         s = self.dslices * self.bm * (self.bn + 8) * 4  # fp32 partial scores
         p = self.bm * (self.bn + 8) * 2  # bf16 probabilities
-        stats = 2 * self.bm * 4  # alpha, l per row
+        stats = 2 * self.bm * 4 + 16  # alpha, l per row; a flag
         return q + kv + idx + s + p + stats
 
 
@@ -127,10 +134,14 @@ def device_arch() -> str:
     return f"sm_{major}{minor}"
 
 
+def target_arch() -> str:
+    """The present GPU's target, or the one named by $KDTREE_KERNEL_TARGET (e.g. sm_120: run the RTX PRO
+    6000's configuration on an H200, which has room for it)."""
+    return os.environ.get("KDTREE_KERNEL_TARGET") or device_arch()
+
+
 def default_config() -> KernelConfig:
-    """The configuration for the present GPU, or for the target named by $KDTREE_KERNEL_TARGET (e.g. sm_120:
-    run the RTX PRO 6000's lock-step kernel on an H200, which has room for it)."""
-    return KernelConfig.for_arch(os.environ.get("KDTREE_KERNEL_TARGET") or device_arch())
+    return KernelConfig.for_arch(target_arch())
 
 
 def compile_options(config: KernelConfig, extra: tuple[str, ...] = (), source: Path = SOURCE) -> tuple[str, ...]:
@@ -269,6 +280,7 @@ def compile_report(arch: str, config: KernelConfig | None = None) -> list[Kernel
 
 
 # ----- launch planning (host side, outside the launch path) --------------------------------------
+FUSED_MERGE_SEGS = 4  # VMLA_FUSED_MERGE_SEGS: split tiles of at most this many partials are merged in verify_mla_fwd
 PLAN_ARRAYS = ("cta_unit_start", "cta_first_rt", "rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base", "req_rt_base")
 
 
@@ -288,6 +300,8 @@ class LaunchPlan:
     grid: int  # persistent blocks
     units: int  # (row tile, key tile) work units
     segments: int  # partial slots (row tiles split across blocks, one slot per block touching them)
+    row_tiles: int
+    fused_merge: bool  # the last block of each split tile merges it (no verify_mla_merge launch)
     config: KernelConfig
     arrays: dict[str, torch.Tensor] = field(repr=False)
 
@@ -299,8 +313,12 @@ class LaunchPlan:
         return dataclasses.replace(self, arrays={k: v.to(device) for k, v in self.arrays.items()})
 
 
-def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *, blocks_per_sm: int = 1) -> LaunchPlan:
-    """Cut the batch into row tiles x key tiles and share the units equally among one block per SM."""
+def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *, blocks_per_sm: int = 1,
+         fused_merge: bool | None = None) -> LaunchPlan:
+    """Cut the batch into row tiles x key tiles and share the units equally among one block per SM (a request's
+    last row tile costs about as much per unit as a full one, measured: weighting it lighter was slower).
+    `fused_merge` (default: when no tile is split into more than FUSED_MERGE_SEGS partials) lets the kernel
+    merge split tiles itself instead of launching verify_mla_merge."""
     n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
     kv = (args.combined_kv_indptr[1:] - args.combined_kv_indptr[:-1]).numpy().astype(np.int64)
     row_tiles = -(-n * num_heads // config.bm)
@@ -316,6 +334,10 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
     rt_last_cta = np.searchsorted(cta_unit_start, rt_unit_start[1:] - 1, side="right") - 1
     segs = rt_last_cta - rt_first_cta + 1
     rt_seg_base = np.concatenate([[0], np.cumsum(np.where(segs > 1, segs, 0))])
+    if fused_merge is None:
+        fused_merge = bool(segs.max() <= FUSED_MERGE_SEGS)
+    elif fused_merge and segs.max() > FUSED_MERGE_SEGS:
+        raise ValueError(f"fused merge takes tiles of at most {FUSED_MERGE_SEGS} partials; this plan splits one into {segs.max()}")
     req_rt_base = np.concatenate([[0], np.cumsum(row_tiles)])
     arrays = {
         "cta_unit_start": cta_unit_start,
@@ -335,64 +357,99 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
         grid=grid,
         units=units,
         segments=int(rt_seg_base[-1]),
+        row_tiles=len(rt_request),
+        fused_merge=fused_merge and bool(rt_seg_base[-1] > 0),
         config=config,
         arrays={k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int32)) for k, v in arrays.items()},
     )
 
 
+# Relative time of one (row tile, key tile) unit by BM, and of a segment's prologue and epilogue (+ merge), in
+# units of BM 64; fitted to the H200's variants run (docs/kernel-notes.md, v7): BM 32 wins the small tree by ~8 %,
+# loses 8k x8 by ~4 % and dsv3 by ~6 %.
+UNIT_COST = {64: 1.0, 32: 0.55}
+SEGMENT_COST = 2.5
+
+
+def estimated_cost(p: LaunchPlan) -> float:
+    """A plan's time per block in BM-64 units (for choosing between configurations, not a prediction in ms)."""
+    return (p.units * UNIT_COST.get(p.config.bm, p.config.bm / 64) + p.segments * SEGMENT_COST) / p.grid
+
+
+def choose_plan(args: VerifyArgs, num_heads: int, num_sms: int, configs: tuple[KernelConfig, ...]) -> LaunchPlan:
+    """Plan the batch with each configuration and keep the cheapest by `estimated_cost` (the first on ties)."""
+    plans = [plan(args, num_heads, num_sms, c) for c in configs]
+    return min(plans, key=estimated_cost)
+
+
 @dataclass
 class Workspace:
-    """Preallocated fp32 partials of the row tiles split across blocks."""
+    """Preallocated fp32 partials of the row tiles split across blocks, and the fused merge's per-tile counters
+    (zeros; the kernel leaves them zero)."""
 
     part_o: torch.Tensor  # [segments, BM, 512]
     part_lse: torch.Tensor  # [segments, BM]
+    rt_counter: torch.Tensor  # [row tiles] int32
 
     @classmethod
-    def for_plan(cls, p: LaunchPlan, device="cuda", *, segments: int | None = None) -> "Workspace":
-        """Sized for `p`, or for `segments` slots (an upper bound, for graphs replayed with other lengths)."""
+    def for_plan(cls, p: LaunchPlan, device="cuda", *, segments: int | None = None, row_tiles: int | None = None) -> "Workspace":
+        """Sized for `p`, or for `segments` slots and `row_tiles` tiles (upper bounds, for graphs replayed with
+        other lengths)."""
         n = max(1, segments if segments is not None else p.segments)
         bm = p.config.bm
         return cls(
             torch.empty(n, bm, 512, dtype=torch.float32, device=device),
             torch.empty(n, bm, dtype=torch.float32, device=device),
+            torch.zeros(max(1, row_tiles if row_tiles is not None else p.row_tiles), dtype=torch.int32, device=device),
         )
 
 
 # ----- CuPy JIT ----------------------------------------------------------------------------------
 class VerifyKernel:
     """verify_mla.cu compiled for the present GPU. `run()` is the convenient path; `launch()` the
-    graph-safe one (all tensors on the device, workspace preallocated)."""
+    graph-safe one (all tensors on the device, workspace preallocated). With several configurations
+    (the target's candidates by default), `plan()` picks one per batch and `launch()` runs the plan's."""
 
     _cache: dict[tuple, "VerifyKernel"] = {}
 
-    def __init__(self, config: KernelConfig | None = None):
+    def __init__(self, config: KernelConfig | tuple[KernelConfig, ...] | None = None):
         import cupy
 
         self.cupy = cupy
-        self.config = config = config or default_config()
-        options = compile_options(config)
-        try:
-            self.module = cupy.RawModule(code=SOURCE.read_text(), options=options)
-            self.fwd = self.module.get_function(FWD)
-            self.merge = self.module.get_function(MERGE)
-        except cupy.cuda.compiler.CompileException as e:
-            raise KernelCompileError(f"{SOURCE.name} does not compile:\n" + format_compile_error(str(e))) from None
-        self.fwd.max_dynamic_shared_size_bytes = config.smem_bytes
+        self.configs = (config,) if isinstance(config, KernelConfig) else tuple(config or KernelConfig.candidates(target_arch()))
+        self.config = self.configs[0]
+        self._fns: dict[KernelConfig, tuple] = {}
+        self.module, self.fwd, self.merge = self._compiled(self.config)
         self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self._streams: dict[int, object] = {}
 
+    def _compiled(self, config: KernelConfig) -> tuple:
+        """(module, fwd, merge) for `config`, compiled on first use."""
+        if config not in self._fns:
+            try:
+                module = self.cupy.RawModule(code=SOURCE.read_text(), options=compile_options(config))
+                fwd, merge = module.get_function(FWD), module.get_function(MERGE)
+            except self.cupy.cuda.compiler.CompileException as e:
+                raise KernelCompileError(f"{SOURCE.name} does not compile:\n" + format_compile_error(str(e))) from None
+            fwd.max_dynamic_shared_size_bytes = config.smem_bytes
+            self._fns[config] = (module, fwd, merge)
+        return self._fns[config]
+
     @classmethod
-    def get(cls, config: KernelConfig | None = None) -> "VerifyKernel":
+    def get(cls, config: KernelConfig | tuple[KernelConfig, ...] | None = None) -> "VerifyKernel":
         """The compiled kernel, recompiled when kernels/*.cu or a header it includes changed."""
-        config = config or default_config()
-        key = (source_hash(), config, torch.cuda.current_device())
+        configs = (config,) if isinstance(config, KernelConfig) else tuple(config or KernelConfig.candidates(target_arch()))
+        key = (source_hash(), configs, torch.cuda.current_device())
         if key not in cls._cache:
-            cls._cache[key] = cls(config)
+            cls._cache[key] = cls(configs)
         return cls._cache[key]
 
     def plan(self, args: VerifyArgs, num_heads: int) -> LaunchPlan:
-        """The launch plan for this kernel's configuration on this GPU (host side, before any capture)."""
-        return plan(args, num_heads, self.num_sms, self.config)
+        """The launch plan for this batch on this GPU, with the cheapest of this kernel's configurations (host
+        side, before any capture; compiles that configuration if it has not been yet)."""
+        p = choose_plan(args, num_heads, self.num_sms, self.configs)
+        self._compiled(p.config)
+        return p
 
     def resources(self) -> dict:
         a = self.fwd.attributes
@@ -419,8 +476,9 @@ class VerifyKernel:
         already be on the GPU: no allocation, no copy, no sync - graph-capturable."""
         i32, f32 = np.int32, np.float32
         pa = p.arrays
+        _, fwd, merge = self._fns[p.config]
         with self._stream(torch.cuda.current_stream()):
-            self.fwd(
+            fwd(
                 (p.grid, 1, 1),
                 (p.config.threads, 1, 1),
                 (
@@ -429,12 +487,12 @@ class VerifyKernel:
                     i32(p.mask_words), i32(p.num_heads), f32(args.sm_scale), f32(args.logit_cap),
                     self._ptr(o), self._ptr(lse),
                     *(self._ptr(pa[name]) for name in PLAN_ARRAYS[:-1]),
-                    self._ptr(ws.part_o), self._ptr(ws.part_lse),
+                    self._ptr(ws.part_o), self._ptr(ws.part_lse), self._ptr(ws.rt_counter if p.fused_merge else None),
                 ),
                 shared_mem=p.config.smem_bytes,
             )
-            if p.split:
-                self.merge(
+            if p.split and not p.fused_merge:
+                merge(
                     (p.total_rows, 1, 1),
                     (128, 1, 1),
                     (

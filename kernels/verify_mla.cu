@@ -32,6 +32,8 @@ constexpr int PV_NT = PV_COLS / 8;
 constexpr int CHUNKS_PER_ROW = VMLA_DIM * 2 / 16;                 // 16-byte pieces per 576-wide row
 constexpr int THREADS_PER_ROW = NUM_THREADS / VMLA_BM;            // softmax threads per row
 constexpr int COLS_PER_THREAD = VMLA_BN / THREADS_PER_ROW;
+constexpr int LOAD_TPR = NUM_THREADS / VMLA_BN;                   // threads gathering one pool row
+constexpr bool ROW_LOADS = VMLA_ROW_LOADS && NUM_THREADS % VMLA_BN == 0 && CHUNKS_PER_ROW % LOAD_TPR == 0;
 
 static_assert(VMLA_DSLICES * VMLA_RGROUPS * VMLA_KHALVES == VMLA_WARPS, "QK split must use every warp");
 static_assert(QK_MT * VMLA_RGROUPS == MT && QK_NT % 2 == 0, "QK rows and keys must split evenly");
@@ -55,6 +57,7 @@ struct Smem {
   __nv_bfloat16 p[VMLA_BM][P_STRIDE];
   float alpha[VMLA_BM];
   float l_final[VMLA_BM];
+  int flag[4];  // [0]: this block merges the row tile (fused merge)
 };
 
 // Fetch the slot ids of keys [k0, k0 + BN) into idx[slot] (0 past k_end). One warp's worth of threads.
@@ -70,11 +73,23 @@ __device__ __forceinline__ void load_tile_slots(Smem& sm, int slot, const int* _
 __device__ __forceinline__ void load_kv_tile(Smem& sm, int stage, int slot, const __nv_bfloat16* __restrict__ kv_buffer,
                                              int k0, int k_end) {
 #ifndef VMLA_SKIP_LOAD
-  for (int c = threadIdx.x; c < VMLA_BN * CHUNKS_PER_ROW; c += NUM_THREADS) {
-    const int r = c / CHUNKS_PER_ROW, part = c % CHUNKS_PER_ROW;
+  if constexpr (ROW_LOADS) {
+    // LOAD_TPR threads per row, each its row's chunks j, j + LOAD_TPR, ...: one slot id and one address per thread
+    const int r = threadIdx.x / LOAD_TPR, j = threadIdx.x % LOAD_TPR;
     const bool valid = k0 + r < k_end;
-    const __nv_bfloat16* src = kv_buffer + static_cast<int64_t>(sm.idx[slot][r]) * VMLA_DIM + part * 8;
-    cp_async_16(&sm.kv[stage][r][part * 8], valid ? src : kv_buffer, valid);
+    const __nv_bfloat16* src = valid ? kv_buffer + static_cast<int64_t>(sm.idx[slot][r]) * VMLA_DIM : kv_buffer;
+#pragma unroll
+    for (int i = 0; i < CHUNKS_PER_ROW / LOAD_TPR; ++i) {
+      const int part = j + i * LOAD_TPR;
+      cp_async_16(&sm.kv[stage][r][part * 8], valid ? src + part * 8 : kv_buffer, valid);
+    }
+  } else {  // any thread count: chunk c of the tile to thread c % NUM_THREADS
+    for (int c = threadIdx.x; c < VMLA_BN * CHUNKS_PER_ROW; c += NUM_THREADS) {
+      const int r = c / CHUNKS_PER_ROW, part = c % CHUNKS_PER_ROW;
+      const bool valid = k0 + r < k_end;
+      const __nv_bfloat16* src = kv_buffer + static_cast<int64_t>(sm.idx[slot][r]) * VMLA_DIM + part * 8;
+      cp_async_16(&sm.kv[stage][r][part * 8], valid ? src : kv_buffer, valid);
+    }
   }
 #endif
 }
@@ -84,10 +99,67 @@ __device__ __forceinline__ void load_kv_tile(Smem& sm, int stage, int slot, cons
 // Dynamic shared memory verify_mla_fwd needs (kdtree.kernel.KernelConfig.smem_bytes must agree; a GPU test checks).
 extern "C" __constant__ int verify_mla_smem_bytes = sizeof(Smem);
 
+// The fused merge: after a block has written its partial of a split row tile, the last of the tile's `segs`
+// blocks to finish (counted in *counter, reset to 0 for the next launch) combines them into o/lse. Only for
+// tiles of at most VMLA_FUSED_MERGE_SEGS partials (the plan decides; longer merges are verify_mla_merge's:
+// one block reading many partials would hold up the end of the kernel).
+struct TileMerge {
+  int* counter;  // null: verify_mla_merge runs after this kernel instead
+  int segs;
+  const float* tile_o;    // the tile's first partial slot, [segs][BM][512]
+  const float* tile_lse;  // [segs][BM]
+};
+
+__device__ __forceinline__ void merge_if_last(Smem& sm, const Args& a, const TileMerge& m, int64_t grow0, int valid_rows) {
+  __threadfence();  // this block's partial is visible device-wide before the counter says it is there
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    sm.flag[0] = atomicAdd(m.counter, 1) == m.segs - 1;
+    if (sm.flag[0]) *m.counter = 0;  // every block of this tile has counted: ready for the next launch
+  }
+  __syncthreads();
+  if (!sm.flag[0]) return;
+  __threadfence();
+  // per-row weights of the segs partials into the (now idle) score buffer, then the rows, CHUNKS_PER_THREAD
+  // float4s per thread at a time with every load of a round in flight together
+  valid_rows = min(valid_rows, VMLA_BM);  // (rows - row0 counts the request's later tiles too)
+  float(*w)[VMLA_BM] = reinterpret_cast<float(*)[VMLA_BM]>(&sm.s[0][0][0]);
+  for (int r = threadIdx.x; r < valid_rows; r += NUM_THREADS) {
+    const MergeWeights mw = merge_weights(m.tile_lse + r, VMLA_BM, m.segs);
+    for (int s = 0; s < m.segs; ++s) w[s][r] = merge_weight(__ldcg(m.tile_lse + s * VMLA_BM + r), mw);
+    if (a.lse != nullptr) a.lse[grow0 + r] = merged_lse(mw);
+  }
+  __syncthreads();
+  constexpr int CHUNKS = VMLA_VDIM / 4, CHUNKS_PER_THREAD = 4;
+  const int total = valid_rows * CHUNKS;
+  for (int i0 = threadIdx.x; i0 < total; i0 += CHUNKS_PER_THREAD * NUM_THREADS) {
+    float4 acc[CHUNKS_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < CHUNKS_PER_THREAD; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int s = 0; s < VMLA_FUSED_MERGE_SEGS; ++s) {
+      if (s >= m.segs) break;
+#pragma unroll
+      for (int j = 0; j < CHUNKS_PER_THREAD; ++j) {
+        const int i = i0 + j * NUM_THREADS, r = i / CHUNKS;
+        if (i < total)
+          add_weighted(acc[j], w[s][r], __ldcg(reinterpret_cast<const float4*>(m.tile_o + (s * VMLA_BM + r) * VMLA_VDIM + (i % CHUNKS) * 4)));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < CHUNKS_PER_THREAD; ++j) {
+      const int i = i0 + j * NUM_THREADS;
+      if (i < total) store_bf16x4(&a.o[(grow0 + i / CHUNKS) * VMLA_VDIM + (i % CHUNKS) * 4], acc[j]);
+    }
+  }
+}
+
 // One segment: rows [row0, row0 + BM) of request b against its keys [k_begin, k_end). Writes o/lse (out_o
-// null) or the fp32 partial out_o[BM][512], out_lse[BM] normalised by its own sum.
+// null) or the fp32 partial out_o[BM][512], out_lse[BM] normalised by its own sum (then merges the tile if
+// merge.counter is set and this block is the tile's last).
 __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
-                                               float* __restrict__ out_o, float* __restrict__ out_lse) {
+                                               float* __restrict__ out_o, float* __restrict__ out_lse,
+                                               const TileMerge& merge) {
   const __nv_bfloat16* __restrict__ q = a.q;
   const __nv_bfloat16* __restrict__ kv_buffer = a.kv_buffer;
   const int num_heads = a.num_heads;
@@ -97,7 +169,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   const int prefix = a.prefix_lens[b];
   const int* kv_idx = a.kv_indices + kv_start;
   const int64_t grow0 = static_cast<int64_t>(q0) * num_heads + row0;  // global row of this block's first row
-  const int valid_rows = rows - row0;  // < BM in a request's last row tile
+  const int valid_rows = rows - row0;  // rows of this tile are valid below it (< BM in a request's last row tile)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
@@ -147,6 +219,8 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   // softmax-step state: THREADS_PER_ROW threads per row, each COLS_PER_THREAD keys of a tile
   const int srow = tid / THREADS_PER_ROW, scol = (tid % THREADS_PER_ROW) * COLS_PER_THREAD;
   const bool srow_valid = row0 + srow < rows;
+  // whole warps of padding rows skip the softmax step (their m16 tiles hold no scores and feed no output)
+  const bool swarp_valid = (warp * 32) / THREADS_PER_ROW < valid_rows;
   const int stoken = q0 + (srow_valid ? (row0 + srow) / num_heads : 0);
   RowState st;
 
@@ -158,6 +232,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     float s[QK_MT][QK_NT][4];
     zero_frags(s);
     const int key_base = khalf * (VMLA_BN / VMLA_KHALVES);
+    if (qk_row0 >= valid_rows) return;  // this warp's rows are all padding (a request's last row tile)
 #pragma unroll
     for (int ks = 0; ks < KSTEPS_PER_SLICE; ++ks) {
       const int d0 = dslice * KSTEPS_PER_SLICE * 16 + ks * 16;
@@ -187,7 +262,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
       }
 #undef VMLA_QFRAG
     }
-    store_scores(&sm.s[dslice][0][0], s, qk_row0, key_base, lane);
+    store_scores(&sm.s[dslice][0][0], s, qk_row0, key_base, valid_rows, lane);
   };
 
   for (int t = 0; t < num_tiles; ++t) {
@@ -205,10 +280,13 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     qk_tile(stage);
     __syncthreads();
     // ---- softmax step: sum the partials, scale, cap, mask, online max/sum; P and alpha to shared memory ----
-    float x[COLS_PER_THREAD];
-    sum_partials<COLS_PER_THREAD, VMLA_DSLICES>(x, &sm.s[0][srow][scol], VMLA_BM * S_STRIDE);
-    const float alpha = softmax_step<COLS_PER_THREAD, THREADS_PER_ROW>(st, x, &sm.p[srow][scol], a, k0 + scol, k_end,
-                                                                       prefix, srow_valid, stoken);
+    float alpha = 1.f;
+    if (swarp_valid) {
+      float x[COLS_PER_THREAD];
+      sum_partials<COLS_PER_THREAD, VMLA_DSLICES>(x, &sm.s[0][srow][scol], VMLA_BM * S_STRIDE);
+      alpha = softmax_step<COLS_PER_THREAD, THREADS_PER_ROW>(st, x, &sm.p[srow][scol], a, k0 + scol, k_end, prefix,
+                                                             srow_valid, stoken);
+    }
     if (tid % THREADS_PER_ROW == 0) sm.alpha[srow] = alpha;
     __syncthreads();
     // ---- O = alpha * O + P V for this warp's output columns ----
@@ -229,6 +307,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   }
   __syncthreads();
   store_acc(acc, warp * PV_COLS, valid_rows, sm.l_final, a, grow0, out_o, lane);
+  if (out_o != nullptr && merge.counter != nullptr) merge_if_last(sm, a, merge, grow0, valid_rows);
   cp_async_wait_all();  // slot-id prefetches past the end must land before the next segment reuses the ring
   __syncthreads();      // the next segment reuses every shared buffer
 }
@@ -249,7 +328,8 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
                const int* __restrict__ rt_first_cta,    // [row tiles] block holding the tile's first unit
                const int* __restrict__ rt_seg_base,     // [row tiles + 1] partial slots of each tile
                float* __restrict__ part_o,              // [segments, BM, 512]
-               float* __restrict__ part_lse) {          // [segments, BM]
+               float* __restrict__ part_lse,            // [segments, BM]
+               int* __restrict__ rt_counter) {          // [row tiles] zeros, or null: no fused merge
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const Args a{q, kv_buffer, qo_indptr, kv_indptr, kv_indices, prefix_lens, tree_mask, mask_words, num_heads,
@@ -266,12 +346,14 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
     const int segments = rt_seg_base[rt + 1] - rt_seg_base[rt];
     float* out_o = nullptr;
     float* out_lse = nullptr;
+    TileMerge merge{nullptr, segments, nullptr, nullptr};
     if (segments > 1) {
-      const int64_t slot = rt_seg_base[rt] + (c - rt_first_cta[rt]);
+      const int64_t base = rt_seg_base[rt], slot = base + (c - rt_first_cta[rt]);
       out_o = part_o + slot * VMLA_BM * VMLA_VDIM;
       out_lse = part_lse + slot * VMLA_BM;
+      if (rt_counter != nullptr) merge = {rt_counter + rt, segments, part_o + base * VMLA_BM * VMLA_VDIM, part_lse + base * VMLA_BM};
     }
-    verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse);
+    verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge);
     u = seg_end;
   }
 }

@@ -130,9 +130,12 @@ __device__ __forceinline__ float softmax_step(RowState& st, float (&x)[COLS], __
   }
 #pragma unroll
   for (int off = TPR / 2; off > 0; off /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
-  const float m_new = fmaxf(st.m, tile_max);
+  // The reference max moves only when the tile's max exceeds it by more than VMLA_RESCALE_TAU (log2 units):
+  // p stays <= 2^TAU, and alpha is exactly 1 on most tiles, so the accumulator's rescale can be skipped.
+  const bool grow = tile_max > st.m + VMLA_RESCALE_TAU;  // st.m = -inf: any visible key grows it
+  const float m_new = grow ? tile_max : st.m;
   const float m_use = m_new == VMLA_NEG_INF ? 0.f : m_new;
-  const float alpha = exp2f(st.m - m_use);
+  const float alpha = grow ? exp2f(st.m - m_use) : 1.f;
   float psum = 0.f;
   __nv_bfloat16 pb[COLS];
 #pragma unroll
@@ -199,13 +202,15 @@ __device__ __forceinline__ void store_acc(const float (&acc)[MTILES][NTILES][4],
     }
 }
 
-// Scale a warp's accumulator rows by their alpha (alpha[r] for tile row mi * 16 + g (+ 8)).
+// Scale a warp's accumulator rows by their alpha (alpha[r] for tile row mi * 16 + g (+ 8)); m16 tiles whose
+// alphas are all 1 are left alone (exact: most tiles, see VMLA_RESCALE_TAU).
 template <int MTILES, int NTILES>
 __device__ __forceinline__ void rescale_acc(float (&acc)[MTILES][NTILES][4], const float* alpha, int lane) {
   const int g = lane / 4;
 #pragma unroll
   for (int mi = 0; mi < MTILES; ++mi) {
     const float a_lo = alpha[mi * 16 + g], a_hi = alpha[mi * 16 + g + 8];
+    if (!__any_sync(0xffffffffu, a_lo != 1.f || a_hi != 1.f)) continue;  // no row of this m16 tile moved its max
 #pragma unroll
     for (int ni = 0; ni < NTILES; ++ni) {
       acc[mi][ni][0] *= a_lo; acc[mi][ni][1] *= a_lo;
@@ -244,18 +249,46 @@ __device__ __forceinline__ void pv_step(float (&acc)[MTILES][NTILES][4], const _
   }
 }
 
-// Write one warp's fp32 QK partial (m16 tiles from row r0, n8 tiles of keys from col0) to s[rows][S_STRIDE].
+// Write one warp's fp32 QK partial (m16 tiles from row r0, n8 tiles of keys from col0) to s[rows][S_STRIDE];
+// m16 tiles holding no row below valid_rows are skipped.
 template <int MTILES, int NTILES>
-__device__ __forceinline__ void store_scores(float* s, const float (&x)[MTILES][NTILES][4], int r0, int col0, int lane) {
+__device__ __forceinline__ void store_scores(float* s, const float (&x)[MTILES][NTILES][4], int r0, int col0, int valid_rows,
+                                             int lane) {
   const int g = lane / 4, tig = lane % 4;
 #pragma unroll
   for (int mi = 0; mi < MTILES; ++mi)
 #pragma unroll
     for (int ni = 0; ni < NTILES; ++ni) {
+      if (r0 + mi * 16 >= valid_rows) continue;  // padding m16 tile: nobody reads it
       float* row = s + (r0 + mi * 16 + g) * S_STRIDE + col0 + ni * 8 + tig * 2;
       *reinterpret_cast<float2*>(row) = make_float2(x[mi][ni][0], x[mi][ni][1]);
       *reinterpret_cast<float2*>(row + 8 * S_STRIDE) = make_float2(x[mi][ni][2], x[mi][ni][3]);
     }
+}
+
+// The LSE merge of one row's partials (segs slots, slot s's LSE at lse[s * lse_stride]): the arithmetic shared by
+// verify_mla_merge and the fused merge in verify_mla.cu, so both give the same bits (o = sum_s weight_s * o_s,
+// in slot order). Reads bypass L1 (__ldcg): other blocks wrote the partials during this launch.
+struct MergeWeights {
+  float m_use, inv, wsum;
+};
+__device__ __forceinline__ MergeWeights merge_weights(const float* lse, int lse_stride, int segs) {
+  float mx = VMLA_NEG_INF;
+  for (int s = 0; s < segs; ++s) mx = fmaxf(mx, __ldcg(lse + static_cast<int64_t>(s) * lse_stride));
+  const float m_use = mx == VMLA_NEG_INF ? 0.f : mx;
+  float wsum = 0.f;
+  for (int s = 0; s < segs; ++s) wsum += __expf(__ldcg(lse + static_cast<int64_t>(s) * lse_stride) - m_use);
+  return {m_use, wsum > 0.f ? 1.f / wsum : 0.f, wsum};
+}
+__device__ __forceinline__ float merged_lse(const MergeWeights& w) { return w.wsum > 0.f ? w.m_use + logf(w.wsum) : VMLA_NEG_INF; }
+// The weight of the partial whose LSE is lse_s.
+__device__ __forceinline__ float merge_weight(float lse_s, const MergeWeights& w) { return __expf(lse_s - w.m_use) * w.inv; }
+__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, const float4& v) {
+  reinterpret_cast<__nv_bfloat162*>(dst)[0] = __floats2bfloat162_rn(v.x, v.y);
+  reinterpret_cast<__nv_bfloat162*>(dst)[1] = __floats2bfloat162_rn(v.z, v.w);
+}
+__device__ __forceinline__ void add_weighted(float4& acc, float w, const float4& v) {
+  acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
 }
 
 }  // namespace vmla
@@ -278,23 +311,15 @@ verify_mla_merge(const int* __restrict__ qo_indptr, int batch_size, int num_head
   const int rt = req_rt_base[lo] + r / VMLA_BM, tr = r % VMLA_BM;
   const int base = rt_seg_base[rt], segs = rt_seg_base[rt + 1] - base;
   if (segs <= 1) return;
-  float mx = VMLA_NEG_INF;
-  for (int s = 0; s < segs; ++s) mx = fmaxf(mx, part_lse[static_cast<int64_t>(base + s) * VMLA_BM + tr]);
-  const float m_use = mx == VMLA_NEG_INF ? 0.f : mx;
-  float wsum = 0.f;
-  for (int s = 0; s < segs; ++s) wsum += __expf(part_lse[static_cast<int64_t>(base + s) * VMLA_BM + tr] - m_use);
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  const float* row_lse = part_lse + static_cast<int64_t>(base) * VMLA_BM + tr;
+  const float* row_o = part_o + (static_cast<int64_t>(base) * VMLA_BM + tr) * VMLA_VDIM;
+  const vmla::MergeWeights mw = vmla::merge_weights(row_lse, VMLA_BM, segs);
   for (int c = threadIdx.x * 4; c < VMLA_VDIM; c += blockDim.x * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < segs; ++s) {
-      const int64_t slot = base + s;
-      const float w = __expf(part_lse[slot * VMLA_BM + tr] - m_use) * inv;
-      const float4 v = *reinterpret_cast<const float4*>(&part_o[(slot * VMLA_BM + tr) * VMLA_VDIM + c]);
-      acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
-    }
-    __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(&o[static_cast<int64_t>(row) * VMLA_VDIM + c]);
-    dst[0] = __floats2bfloat162_rn(acc.x, acc.y);
-    dst[1] = __floats2bfloat162_rn(acc.z, acc.w);
+    for (int s = 0; s < segs; ++s)
+      vmla::add_weighted(acc, vmla::merge_weight(__ldcg(row_lse + static_cast<int64_t>(s) * VMLA_BM), mw),
+                         __ldcg(reinterpret_cast<const float4*>(row_o + static_cast<int64_t>(s) * VMLA_BM * VMLA_VDIM + c)));
+    vmla::store_bf16x4(&o[static_cast<int64_t>(row) * VMLA_VDIM + c], acc);
   }
-  if (threadIdx.x == 0 && lse != nullptr) lse[row] = wsum > 0.f ? m_use + logf(wsum) : VMLA_NEG_INF;
+  if (threadIdx.x == 0 && lse != nullptr) lse[row] = vmla::merged_lse(mw);
 }

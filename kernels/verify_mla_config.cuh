@@ -33,6 +33,17 @@
 #define VMLA_Q_SMEM 0     // 0: Q fragments live in registers (BM 32); 1: Q stays in shared memory (BM 64, big smem)
 #endif
 
+#ifndef VMLA_RESCALE_TAU
+#define VMLA_RESCALE_TAU 8.0f  // online softmax: move a row's reference max only when it grows by more (log2)
+#endif
+
+#ifndef VMLA_ROW_LOADS
+#define VMLA_ROW_LOADS 1  // pool rows gathered by NUM_THREADS / BN threads each (where that divides the row's chunks)
+#endif
+#ifndef VMLA_FUSED_MERGE_SEGS
+#define VMLA_FUSED_MERGE_SEGS 4  // split row tiles of at most this many partials may be merged by their last block
+#endif
+
 // Timing experiments only (the output is wrong with any of these): VMLA_SKIP_LOAD (no pool-row copies),
 // VMLA_SKIP_QK / VMLA_SKIP_PV (no tensor-core work in that phase), VMLA_SKIP_SOFTMAX (P = raw scores).
 // scripts/variants.py times them against the real kernel to see where the time goes.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
-# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|test|bench|variants|notebooks|all] ...
-# (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures)
+# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|quick|test|bench|variants|notebooks|all] ...
+# (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;
+#  quick: the shipped captures, the fused merge and determinism tests only)
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -22,6 +23,8 @@ for w in "$@"; do
     smoke) step diff 120 python3 -m kdtree diff data/captured_batches/*.safetensors --impl cuda \
              || { echo "smoke failed: stopping"; exit 1; }
            step bench 360 python3 -m kdtree bench -o "$OUT" ;;
+    quick) step diff 120 python3 -m kdtree diff data/captured_batches/*.safetensors --impl cuda
+           step quick 240 python3 -m pytest -q -x tests/test_kernel_gpu.py -k "fused or shipped or shared_memory or deterministic" ;;
     bench) step bench 180 python3 -m kdtree bench -o "$OUT" ;;
     test) step test-gpu 480 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
     variants) step variants 300 python3 scripts/variants.py ;;

@@ -19,13 +19,21 @@ from kdtree.marshal import marshal  # noqa: E402
 from kdtree.synth import synthesize  # noqa: E402
 
 BM64 = dict(bm=64, q_smem=True, rgroups=2, khalves=1)
+V6_PLAN = dict(fused_merge=False)  # v6's plan: the merge kernel
+# name -> (configuration, plan options)
 VARIANTS = {
-    "bm32_regs": KernelConfig(),  # sm_120's configuration
-    "bm64_r2k1": KernelConfig(**BM64),  # sm_90's configuration
-    "bm64_16warps": KernelConfig(**(BM64 | dict(warps=16, khalves=2))),  # 128 registers each: spills
+    "bm32_regs": (KernelConfig(), {}),  # sm_120's configuration
+    "bm64_r2k1": (KernelConfig(**BM64), {}),  # sm_90's configuration
+    "bm64_16warps": (KernelConfig(**(BM64 | dict(warps=16, khalves=2))), {}),  # 128 registers each: spills
+    # v7 steps: exact max (tau 0) = v6's numerics; tau 8 skips most rescales; row-wise pool loads; fused merge
+    "v6_like": (KernelConfig(**BM64, extra=(("VMLA_RESCALE_TAU", 0), ("VMLA_ROW_LOADS", 0))), V6_PLAN),
+    "v6_plan_tau8_chunkloads": (KernelConfig(**BM64, extra=(("VMLA_ROW_LOADS", 0),)), V6_PLAN),
+    "v6_plan_tau0": (KernelConfig(**BM64, extra=(("VMLA_RESCALE_TAU", 0),)), V6_PLAN),
+    "v6_plan_tau8": (KernelConfig(**BM64), V6_PLAN),
+    "bm32_tau8_sep": (KernelConfig(), V6_PLAN),
     # the same kernel with parts of each tile's work left out (wrong output; where does the time go?)
     **{
-        f"bm64_skip_{n}": KernelConfig(**BM64, extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks))
+        f"bm64_skip_{n}": (KernelConfig(**BM64, extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})
         for n, ks in {"qk": ["QK"], "pv": ["PV"], "mma": ["QK", "PV"], "softmax": ["SOFTMAX"], "load": ["LOAD"],
                       "all": ["QK", "PV", "SOFTMAX", "LOAD"]}.items()
     },
@@ -35,7 +43,7 @@ VARIANTS = {
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="*", default=["32k x4", "dsv3", "small tree", "8k x8", "mixed"])
-    ap.add_argument("--variants", nargs="*", default=["bm64_r2k1", "bm32_regs", "bm64_skip_mma", "bm64_skip_softmax", "bm64_skip_load", "bm64_skip_all"])
+    ap.add_argument("--variants", nargs="*", default=["v6_like", "v6_plan_tau8_chunkloads", "v6_plan_tau8", "bm64_r2k1", "bm32_tau8_sep", "bm32_regs"])
     a = ap.parse_args()
     cases = [c for c in bench.CASES if any(s in c.name for s in a.cases)]
     rows, first = {}, {}
@@ -49,10 +57,10 @@ def main():
         o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(T, H, device="cuda")
         for name in a.variants:
-            config = VARIANTS[name]
+            config, plan_opts = VARIANTS[name]
             try:
                 kern = VerifyKernel.get(config)
-                p = plan(args, H, kern.num_sms, config).to("cuda")
+                p = plan(args, H, kern.num_sms, config, **plan_opts).to("cuda")
                 ws = Workspace.for_plan(p)
                 it = [0]
 
@@ -66,12 +74,12 @@ def main():
                 ref = first.setdefault(case.name, o.float().clone())  # the first variant's output
                 rel = float((o.float() - ref).norm() / ref.norm())
                 ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-                rows.setdefault(case.name, {})[name] = {"rel_vs_first": rel, "ms": ms, "tflops": flops / ms / 1e9, "regs": kern.resources()["registers"], "local": kern.resources()["local_bytes"], "grid": p.grid, "segments": p.segments}
+                rows.setdefault(case.name, {})[name] = {"rel_vs_first": rel, "ms": ms, "tflops": flops / ms / 1e9, "regs": kern.resources()["registers"], "local": kern.resources()["local_bytes"], "grid": p.grid, "segments": p.segments, "fused": p.fused_merge}
             except Exception as e:  # noqa: BLE001
                 rows.setdefault(case.name, {})[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
         print(case.name)
         for name, r in rows[case.name].items():
-            print(f"   {name:14s} " + (f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s rel {r['rel_vs_first']:.1e} regs {r['regs']} local {r['local']} B grid {r['grid']} segments {r['segments']}" if "ms" in r else r["error"]))
+            print(f"   {name:14s} " + (f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s rel {r['rel_vs_first']:.1e} regs {r['regs']} local {r['local']} B grid {r['grid']} segments {r['segments']} fused {r['fused']}" if "ms" in r else r["error"]))
         sys.stdout.flush()
     out = Path(os.environ.get("OUT", "."))
     (out / "variants.json").write_text(json.dumps(rows, indent=1))

@@ -3,6 +3,7 @@
 Skipped (with the reason) where there is no CUDA GPU; `make test-gpu` runs them on one.
 """
 
+import os
 import shutil
 import subprocess
 import sys
@@ -111,6 +112,66 @@ def test_deterministic_and_graph_replay_matches(kern):
     assert torch.equal(o.view(torch.int16), outs[0][0].view(torch.int16))
 
 
+@pytest.mark.parametrize("target", [None, "sm_120"], ids=["this-gpu", "sm_120-config"])
+def test_fused_merge_gives_the_merge_kernels_bits(target):
+    """Where the plan allows it, the last block of a split tile merges it: the same bits as verify_mla_merge,
+    counters back at zero afterwards (so a graph replay starts clean), and a graph replay gives the same bits."""
+    from kdtree.bench import CASES
+    from kdtree.kernel import FUSED_MERGE_SEGS, KernelConfig, VerifyKernel, Workspace, plan
+
+    kern = VerifyKernel.get(KernelConfig.for_arch(target) if target else None)
+    caps = [load(p) for p in SHIPPED] + [synthesize(fuzz_spec(s), device="cuda", reference=False) for s in (1, 2, 5)]
+    caps.append(synthesize(CASES[0].spec(), device="cuda", reference=False))  # the small-tree bench case
+    fused_runs = 0
+    for cap in caps:
+        host_args = marshal(cap)
+        args = host_args.to("cuda")
+        q, pool = cap.layer(cap.meta.layer_ids[0]).q.cuda(), cap.pool(cap.meta.layer_ids[0], "cuda")
+        T, H = cap.num_tokens, cap.meta.num_heads
+        for num_sms in (kern.num_sms, 37):
+            outs = []
+            for fused in (False, True):
+                try:
+                    p = plan(host_args, H, num_sms, kern.config, fused_merge=fused).to("cuda")
+                except ValueError:  # a tile split into more than FUSED_MERGE_SEGS partials
+                    break
+                ws = Workspace.for_plan(p)
+                o, lse = poisoned((T, H, 512), "cuda"), torch.empty(T, H, device="cuda")
+                kern.launch(p, args, q, pool, o, lse, ws)
+                torch.cuda.synchronize()
+                assert int(ws.rt_counter.abs().sum()) == 0
+                outs.append((o, lse))
+            if len(outs) == 2 and p.fused_merge:
+                fused_runs += 1
+                assert torch.equal(outs[0][0].view(torch.int16), outs[1][0].view(torch.int16))
+                assert torch.equal(outs[0][1], outs[1][1])
+    assert fused_runs >= 3, f"only {fused_runs} batches could take the fused merge (<= {FUSED_MERGE_SEGS} partials a tile)"
+    # graph replay of a fused launch
+    cap = caps[-1]
+    host_args = marshal(cap)
+    args = host_args.to("cuda")
+    q, pool = cap.layer(0).q.cuda(), cap.pool(0, "cuda")
+    T, H = cap.num_tokens, cap.meta.num_heads
+    p = plan(host_args, H, kern.num_sms, kern.config, fused_merge=True).to("cuda")
+    ws = Workspace.for_plan(p)
+    o, lse = poisoned((T, H, 512), "cuda"), torch.empty(T, H, device="cuda")
+    kern.launch(p, args, q, pool, o, lse, ws)
+    first = o.clone()
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kern.launch(p, args, q, pool, o, lse, ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(g):
+        kern.launch(p, args, q, pool, o, lse, ws)
+    for _ in range(3):
+        o.view(torch.int16).fill_(0x7FA5)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o.view(torch.int16), first.view(torch.int16))
+
+
 @pytest.mark.parametrize("seed", range(0, 200, 4))
 def test_lockstep_kernel_sm120_configuration(monkeypatch, seed):
     """The kernel sm_120 runs (verify_mla.cu, 32 rows, Q in registers, < 99 KB) also runs here: every shipped
@@ -135,11 +196,14 @@ def test_logit_cap_is_supported(kern):
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
-def test_compute_sanitizer_is_clean(tool):
-    small = next(p for p in SHIPPED if "mixed" in p.name)
+@pytest.mark.parametrize("capture,target", [("mixed", None), ("ddtree64-bs3", "sm_120")], ids=["mixed", "fused-merge"])
+def test_compute_sanitizer_is_clean(tool, capture, target):
+    """On a small batch; the second one takes the fused merge (sm_120's configuration splits it that way)."""
+    small = next(p for p in SHIPPED if capture in p.name)
+    env = os.environ | ({"KDTREE_KERNEL_TARGET": target} if target else {})
     r = subprocess.run(
         ["compute-sanitizer", f"--tool={tool}", "--error-exitcode=99", sys.executable, "-m", "kdtree", "diff", str(small), "--impl", "cuda"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env=env,
     )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]

@@ -5,7 +5,7 @@ import pytest
 
 from kdtree.capture import load
 from kdtree.fuzz import fuzz_spec
-from kdtree.kernel import KernelConfig, plan
+from kdtree.kernel import FUSED_MERGE_SEGS, KernelConfig, plan
 from kdtree.marshal import marshal
 from kdtree.synth import synthesize
 
@@ -42,7 +42,7 @@ def test_every_work_unit_is_done_once_and_shares_are_equal(cap, config, num_sms)
     n = cap.num_draft.numpy()
     kv = (cap.prefix_lens + cap.num_draft).numpy()
     row_tiles = -(-n * H // config.bm)
-    assert len(a["rt_request"]) == row_tiles.sum() and p.grid <= num_sms
+    assert len(a["rt_request"]) == row_tiles.sum() == p.row_tiles and p.grid <= num_sms
     shares = np.diff(a["cta_unit_start"])
     assert shares.min() >= 1 and shares.max() - shares.min() <= 1
     seen = {}
@@ -61,3 +61,30 @@ def test_every_work_unit_is_done_once_and_shares_are_equal(cap, config, num_sms)
         assert (a["rt_seg_base"][rt + 1] - a["rt_seg_base"][rt] > 0) == split
     assert len(seen) == len(a["rt_request"])
     assert sorted(slots) == list(range(p.segments))  # each partial slot written exactly once
+
+
+@pytest.mark.parametrize("cap", CASES, ids=lambda c: f"bs{c.batch_size}-N{int(c.num_draft.max())}")
+def test_fused_merge_only_for_short_splits(cap):
+    args = marshal(cap)
+    config = KernelConfig.for_arch("sm_90")
+    for num_sms in (7, 132, 188):
+        p = plan(args, cap.meta.num_heads, num_sms, config)
+        segs = np.diff(p.arrays["rt_seg_base"].numpy())
+        assert p.fused_merge == (p.segments > 0 and segs.max() <= FUSED_MERGE_SEGS)
+        if segs.max() > FUSED_MERGE_SEGS:
+            with pytest.raises(ValueError, match="fused merge"):
+                plan(args, cap.meta.num_heads, num_sms, config, fused_merge=True)
+
+
+def test_the_plan_takes_32_rows_for_small_batches_of_short_trees_and_64_otherwise():
+    from kdtree.bench import CASES
+    from kdtree.kernel import choose_plan
+
+    configs = KernelConfig.candidates("sm_90")
+    assert [c.bm for c in configs] == [64, 32] and KernelConfig.candidates("sm_120") == (KernelConfig(),)
+    chosen = {}
+    for case in CASES:
+        cap = synthesize(case.spec(), reference=False)
+        chosen[case.name] = choose_plan(marshal(cap), cap.meta.num_heads, 132, configs).config.bm
+    assert chosen["kimi-tp8 small tree"] == 32, chosen
+    assert all(bm == 64 for name, bm in chosen.items() if any(s in name for s in ("8k x8", "32k", "128k", "kimi-dp"))), chosen
