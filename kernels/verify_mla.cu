@@ -32,8 +32,6 @@ constexpr int PV_NT = PV_COLS / 8;
 constexpr int CHUNKS_PER_ROW = VMLA_DIM * 2 / 16;                 // 16-byte pieces per 576-wide row
 constexpr int THREADS_PER_ROW = NUM_THREADS / VMLA_BM;            // softmax threads per row
 constexpr int COLS_PER_THREAD = VMLA_BN / THREADS_PER_ROW;
-constexpr int LOAD_TPR = NUM_THREADS / VMLA_BN;                   // threads gathering one pool row
-constexpr bool ROW_LOADS = VMLA_ROW_LOADS && NUM_THREADS % VMLA_BN == 0 && CHUNKS_PER_ROW % LOAD_TPR == 0;
 
 static_assert(VMLA_DSLICES * VMLA_RGROUPS * VMLA_KHALVES == VMLA_WARPS, "QK split must use every warp");
 static_assert(QK_MT * VMLA_RGROUPS == MT && QK_NT % 2 == 0, "QK rows and keys must split evenly");
@@ -68,29 +66,38 @@ __device__ __forceinline__ void load_tile_slots(Smem& sm, int slot, const int* _
   }
 }
 
+// Copy ROWS rows of VMLA_DIM bf16 into shared memory (dst rows ROW_STRIDE apart) with 16-byte cp.async; row r
+// comes from row_src(r), or is zero-filled where that is null. NUM_THREADS / ROWS threads share a row, thread j
+// taking its chunks j, j + TPR, ...: one address per thread and row, and a warp's copies cover whole 128-byte
+// runs of a row. (Any other thread count: chunk c to thread c % NUM_THREADS.)
+template <int ROWS, class RowSrc>
+__device__ __forceinline__ void gather_rows(__nv_bfloat16 (*dst)[ROW_STRIDE], RowSrc row_src, const __nv_bfloat16* fallback) {
+  constexpr int TPR = NUM_THREADS / ROWS;
+  if constexpr (VMLA_ROW_LOADS && NUM_THREADS % ROWS == 0 && CHUNKS_PER_ROW % TPR == 0) {
+    const int r = threadIdx.x / TPR, j = threadIdx.x % TPR;
+    const __nv_bfloat16* src = row_src(r);
+#pragma unroll
+    for (int i = 0; i < CHUNKS_PER_ROW / TPR; ++i) {
+      const int part = j + i * TPR;
+      cp_async_16(&dst[r][part * 8], src != nullptr ? src + part * 8 : fallback, src != nullptr);
+    }
+  } else {
+    for (int c = threadIdx.x; c < ROWS * CHUNKS_PER_ROW; c += NUM_THREADS) {
+      const int r = c / CHUNKS_PER_ROW, part = c % CHUNKS_PER_ROW;
+      const __nv_bfloat16* src = row_src(r);
+      cp_async_16(&dst[r][part * 8], src != nullptr ? src + part * 8 : fallback, src != nullptr);
+    }
+  }
+}
+
 // Gather BN pool rows (keys [k0, k0 + BN) of this segment, slot ids already in idx[slot]) into one stage;
 // rows past k_end are zero.
 __device__ __forceinline__ void load_kv_tile(Smem& sm, int stage, int slot, const __nv_bfloat16* __restrict__ kv_buffer,
                                              int k0, int k_end) {
 #ifndef VMLA_SKIP_LOAD
-  if constexpr (ROW_LOADS) {
-    // LOAD_TPR threads per row, each its row's chunks j, j + LOAD_TPR, ...: one slot id and one address per thread
-    const int r = threadIdx.x / LOAD_TPR, j = threadIdx.x % LOAD_TPR;
-    const bool valid = k0 + r < k_end;
-    const __nv_bfloat16* src = valid ? kv_buffer + static_cast<int64_t>(sm.idx[slot][r]) * VMLA_DIM : kv_buffer;
-#pragma unroll
-    for (int i = 0; i < CHUNKS_PER_ROW / LOAD_TPR; ++i) {
-      const int part = j + i * LOAD_TPR;
-      cp_async_16(&sm.kv[stage][r][part * 8], valid ? src + part * 8 : kv_buffer, valid);
-    }
-  } else {  // any thread count: chunk c of the tile to thread c % NUM_THREADS
-    for (int c = threadIdx.x; c < VMLA_BN * CHUNKS_PER_ROW; c += NUM_THREADS) {
-      const int r = c / CHUNKS_PER_ROW, part = c % CHUNKS_PER_ROW;
-      const bool valid = k0 + r < k_end;
-      const __nv_bfloat16* src = kv_buffer + static_cast<int64_t>(sm.idx[slot][r]) * VMLA_DIM + part * 8;
-      cp_async_16(&sm.kv[stage][r][part * 8], valid ? src : kv_buffer, valid);
-    }
-  }
+  gather_rows<VMLA_BN>(sm.kv[stage], [&](int r) {
+    return k0 + r < k_end ? kv_buffer + static_cast<int64_t>(sm.idx[slot][r]) * VMLA_DIM : nullptr;
+  }, kv_buffer);
 #endif
 }
 
@@ -180,12 +187,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   __nv_bfloat16(*qs)[ROW_STRIDE] = sm.kv[VMLA_STAGES - 1];
 #endif
   const int num_tiles = (k_end - k_begin + VMLA_BN - 1) / VMLA_BN;
-  for (int c = tid; c < VMLA_BM * CHUNKS_PER_ROW; c += NUM_THREADS) {
-    const int r = c / CHUNKS_PER_ROW, part = c % CHUNKS_PER_ROW;
-    const bool valid = row0 + r < rows;
-    const __nv_bfloat16* src = valid ? q + (grow0 + r) * VMLA_DIM + part * 8 : q;
-    cp_async_16(&qs[r][part * 8], src, valid);
-  }
+  gather_rows<VMLA_BM>(qs, [&](int r) { return row0 + r < rows ? q + (grow0 + r) * VMLA_DIM : nullptr; }, q);
 #pragma unroll
   for (int j = 0; j < SLOT_AHEAD; ++j) load_tile_slots(sm, j, kv_idx, k_begin + j * VMLA_BN, k_end);
   cp_async_commit();
