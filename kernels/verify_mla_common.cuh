@@ -130,8 +130,9 @@ __device__ __forceinline__ float softmax_step(RowState& st, float (&x)[COLS], __
   }
 #pragma unroll
   for (int off = TPR / 2; off > 0; off /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
-  // The reference max moves only when the tile's max exceeds it by more than VMLA_RESCALE_TAU (log2 units):
-  // p stays <= 2^TAU, and alpha is exactly 1 on most tiles, so the accumulator's rescale can be skipped.
+  // The reference max moves only when the tile's max exceeds it by more than VMLA_RESCALE_TAU (log2 units; 0 by
+  // default): p stays <= 2^TAU, and alpha is exactly 1 on every tile that does not raise it, whose accumulator
+  // rescale rescale_acc then skips.
   const bool grow = tile_max > st.m + VMLA_RESCALE_TAU;  // st.m = -inf: any visible key grows it
   const float m_new = grow ? tile_max : st.m;
   const float m_use = m_new == VMLA_NEG_INF ? 0.f : m_new;

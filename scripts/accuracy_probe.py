@@ -19,11 +19,11 @@ from kdtree.reference import AttnOutput, emulate_triton, oracle  # noqa: E402
 
 BM64 = KernelConfig.for_arch("sm_90")
 VARIANTS = {
-    "bm64 tau0": (dataclasses.replace(BM64, extra=(("VMLA_RESCALE_TAU", 0),)), {}),
-    "bm64 tau8": (BM64, {}),
-    "bm64 tau8 37sms": (BM64, {"num_sms": 37}),
-    "bm32 tau0": (KernelConfig(extra=(("VMLA_RESCALE_TAU", 0),)), {}),
-    "bm32 tau8": (KernelConfig(), {}),
+    "bm64": (BM64, {}),
+    "bm64 37sms": (BM64, {"num_sms": 37}),
+    "bm64 tau8": (dataclasses.replace(BM64, extra=(("VMLA_RESCALE_TAU", 8),)), {}),
+    "bm32": (KernelConfig(), {}),
+    "bm32 tau8": (KernelConfig(extra=(("VMLA_RESCALE_TAU", 8),)), {}),
 }
 
 for path in sorted(Path("data/captured_batches").glob("*.safetensors")):
