@@ -222,7 +222,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   const int srow = tid / THREADS_PER_ROW, scol = (tid % THREADS_PER_ROW) * COLS_PER_THREAD;
   const bool srow_valid = row0 + srow < rows;
   // whole warps of padding rows skip the softmax step (their m16 tiles hold no scores and feed no output)
-  const bool swarp_valid = (warp * 32) / THREADS_PER_ROW < valid_rows;
+  const bool swarp_valid = !VMLA_PAD_SKIP || (warp * 32) / THREADS_PER_ROW < valid_rows;
   const int stoken = q0 + (srow_valid ? (row0 + srow) / num_heads : 0);
   RowState st;
 
@@ -234,7 +234,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     float s[QK_MT][QK_NT][4];
     zero_frags(s);
     const int key_base = khalf * (VMLA_BN / VMLA_KHALVES);
-    if (qk_row0 >= valid_rows) return;  // this warp's rows are all padding (a request's last row tile)
+    if (VMLA_PAD_SKIP && qk_row0 >= valid_rows) return;  // this warp's rows are all padding (a request's last row tile)
 #pragma unroll
     for (int ks = 0; ks < KSTEPS_PER_SLICE; ++ks) {
       const int d0 = dslice * KSTEPS_PER_SLICE * 16 + ks * 16;

@@ -211,7 +211,7 @@ __device__ __forceinline__ void rescale_acc(float (&acc)[MTILES][NTILES][4], con
 #pragma unroll
   for (int mi = 0; mi < MTILES; ++mi) {
     const float a_lo = alpha[mi * 16 + g], a_hi = alpha[mi * 16 + g + 8];
-    if (!__any_sync(0xffffffffu, a_lo != 1.f || a_hi != 1.f)) continue;  // no row of this m16 tile moved its max
+    if (VMLA_RESCALE_VOTE && !__any_sync(0xffffffffu, a_lo != 1.f || a_hi != 1.f)) continue;  // no row of this m16 tile moved its max
 #pragma unroll
     for (int ni = 0; ni < NTILES; ++ni) {
       acc[mi][ni][0] *= a_lo; acc[mi][ni][1] *= a_lo;
@@ -260,7 +260,7 @@ __device__ __forceinline__ void store_scores(float* s, const float (&x)[MTILES][
   for (int mi = 0; mi < MTILES; ++mi)
 #pragma unroll
     for (int ni = 0; ni < NTILES; ++ni) {
-      if (r0 + mi * 16 >= valid_rows) continue;  // padding m16 tile: nobody reads it
+      if (VMLA_PAD_SKIP && r0 + mi * 16 >= valid_rows) continue;  // padding m16 tile: nobody reads it
       float* row = s + (r0 + mi * 16 + g) * S_STRIDE + col0 + ni * 8 + tig * 2;
       *reinterpret_cast<float2*>(row) = make_float2(x[mi][ni][0], x[mi][ni][1]);
       *reinterpret_cast<float2*>(row + 8 * S_STRIDE) = make_float2(x[mi][ni][2], x[mi][ni][3]);

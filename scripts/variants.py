@@ -28,6 +28,10 @@ VARIANTS = {
     # v7 steps: v6's pool loads and merge kernel; the kernel with the max allowed to lag by 8 (log2)
     "v6_like": (KernelConfig(**BM64, extra=(("VMLA_ROW_LOADS", 0),)), V6_PLAN),
     "tau8": (KernelConfig(**BM64, extra=(("VMLA_RESCALE_TAU", 8),)), {}),
+    "no_pad_skip": (KernelConfig(**BM64, extra=(("VMLA_PAD_SKIP", 0),)), {}),
+    "no_vote": (KernelConfig(**BM64, extra=(("VMLA_RESCALE_VOTE", 0),)), {}),
+    "neither": (KernelConfig(**BM64, extra=(("VMLA_PAD_SKIP", 0), ("VMLA_RESCALE_VOTE", 0))), {}),
+    "v6_strict": (KernelConfig(**BM64, extra=(("VMLA_PAD_SKIP", 0), ("VMLA_RESCALE_VOTE", 0), ("VMLA_ROW_LOADS", 0))), V6_PLAN),
     # the same kernel with parts of each tile's work left out (wrong output; where does the time go?)
     **{
         f"bm64_skip_{n}": (KernelConfig(**BM64, extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})
