@@ -290,9 +290,10 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
                                                              srow_valid, stoken);
     }
     if (tid % THREADS_PER_ROW == 0) sm.alpha[srow] = alpha;
-    __syncthreads();
+    // P and alpha visible to all; and did any row move its max (then the accumulators need rescaling)?
+    const bool moved = __syncthreads_or(alpha != 1.f);
     // ---- O = alpha * O + P V for this warp's output columns ----
-    rescale_acc(acc, sm.alpha, lane);
+    if (moved || !VMLA_RESCALE_SKIP) rescale_acc(acc, sm.alpha, lane);
     pv_step(acc, &sm.p[0][0], &sm.kv[stage][0][0], warp * PV_COLS, valid_rows, lane);
   }
 

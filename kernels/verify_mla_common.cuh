@@ -131,8 +131,8 @@ __device__ __forceinline__ float softmax_step(RowState& st, float (&x)[COLS], __
 #pragma unroll
   for (int off = TPR / 2; off > 0; off /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
   // The reference max moves only when the tile's max exceeds it by more than VMLA_RESCALE_TAU (log2 units; 0 by
-  // default): p stays <= 2^TAU, and alpha is exactly 1 on every tile that does not raise it, whose accumulator
-  // rescale rescale_acc then skips.
+  // default): p stays <= 2^TAU, and alpha is exactly 1 on every tile that does not raise it (a tile where no
+  // row of the block moved skips the accumulator rescale).
   const bool grow = tile_max > st.m + VMLA_RESCALE_TAU;  // st.m = -inf: any visible key grows it
   const float m_new = grow ? tile_max : st.m;
   const float m_use = m_new == VMLA_NEG_INF ? 0.f : m_new;
@@ -203,15 +203,13 @@ __device__ __forceinline__ void store_acc(const float (&acc)[MTILES][NTILES][4],
     }
 }
 
-// Scale a warp's accumulator rows by their alpha (alpha[r] for tile row mi * 16 + g (+ 8)); m16 tiles whose
-// alphas are all 1 are left alone (exact: most tiles, see VMLA_RESCALE_TAU).
+// Scale a warp's accumulator rows by their alpha (alpha[r] for tile row mi * 16 + g (+ 8)).
 template <int MTILES, int NTILES>
 __device__ __forceinline__ void rescale_acc(float (&acc)[MTILES][NTILES][4], const float* alpha, int lane) {
   const int g = lane / 4;
 #pragma unroll
   for (int mi = 0; mi < MTILES; ++mi) {
     const float a_lo = alpha[mi * 16 + g], a_hi = alpha[mi * 16 + g + 8];
-    if (VMLA_RESCALE_VOTE && !__any_sync(0xffffffffu, a_lo != 1.f || a_hi != 1.f)) continue;  // no row of this m16 tile moved its max
 #pragma unroll
     for (int ni = 0; ni < NTILES; ++ni) {
       acc[mi][ni][0] *= a_lo; acc[mi][ni][1] *= a_lo;

@@ -46,8 +46,8 @@
 #ifndef VMLA_PAD_SKIP
 #define VMLA_PAD_SKIP 1  // warps whose rows are all padding skip QK and the softmax step
 #endif
-#ifndef VMLA_RESCALE_VOTE
-#define VMLA_RESCALE_VOTE 1  // skip an m16 tile's accumulator rescale when no row of it moved its max
+#ifndef VMLA_RESCALE_SKIP
+#define VMLA_RESCALE_SKIP 1  // skip the accumulator rescale on tiles where no row of the block moved its max
 #endif
 #ifndef VMLA_FUSED_MERGE_SEGS
 #define VMLA_FUSED_MERGE_SEGS 4  // split row tiles of at most this many partials may be merged by their last block

@@ -26,12 +26,10 @@ VARIANTS = {
     "bm64_r2k1": (KernelConfig(**BM64), {}),  # sm_90's configuration
     "bm64_16warps": (KernelConfig(**(BM64 | dict(warps=16, khalves=2))), {}),  # 128 registers each: spills
     # v7 steps: v6's pool loads and merge kernel; the kernel with the max allowed to lag by 8 (log2)
-    "v6_like": (KernelConfig(**BM64, extra=(("VMLA_ROW_LOADS", 0),)), V6_PLAN),
     "tau8": (KernelConfig(**BM64, extra=(("VMLA_RESCALE_TAU", 8),)), {}),
     "no_pad_skip": (KernelConfig(**BM64, extra=(("VMLA_PAD_SKIP", 0),)), {}),
-    "no_vote": (KernelConfig(**BM64, extra=(("VMLA_RESCALE_VOTE", 0),)), {}),
-    "neither": (KernelConfig(**BM64, extra=(("VMLA_PAD_SKIP", 0), ("VMLA_RESCALE_VOTE", 0))), {}),
-    "v6_strict": (KernelConfig(**BM64, extra=(("VMLA_PAD_SKIP", 0), ("VMLA_RESCALE_VOTE", 0), ("VMLA_ROW_LOADS", 0))), V6_PLAN),
+    "no_rescale_skip": (KernelConfig(**BM64, extra=(("VMLA_RESCALE_SKIP", 0),)), {}),
+    "v6_strict": (KernelConfig(**BM64, extra=(("VMLA_PAD_SKIP", 0), ("VMLA_RESCALE_SKIP", 0), ("VMLA_ROW_LOADS", 0))), V6_PLAN),
     # the same kernel with parts of each tile's work left out (wrong output; where does the time go?)
     **{
         f"bm64_skip_{n}": (KernelConfig(**BM64, extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})
@@ -44,7 +42,7 @@ VARIANTS = {
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="*", default=["32k x4", "dsv3", "small tree", "8k x8", "mixed"])
-    ap.add_argument("--variants", nargs="*", default=["v6_like", "bm64_r2k1", "bm32_regs", "tau8"])
+    ap.add_argument("--variants", nargs="*", default=["v6_strict", "bm64_r2k1", "no_rescale_skip", "no_pad_skip", "tau8", "bm32_regs"])
     a = ap.parse_args()
     cases = [c for c in bench.CASES if any(s in c.name for s in a.cases)]
     rows, first = {}, {}
