@@ -197,27 +197,33 @@ def diff(
 def compile_(
     arch: List[str] = typer.Option(["sm_120", "sm_90"], "--arch", help="targets (repeatable): sm_120, sm_90, sm_89, ..."),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    nvrtc_lib: Optional[Path] = typer.Option(None, "--nvrtc", help="libnvrtc.so.N to compile with instead of the installed one"),
 ):
     """Cross-compile kernels/verify_mla.cu with NVRTC (no GPU needed) and report registers, spills and
     shared memory per kernel against each target's limits. Exit 1 on spills or over-limit shared memory."""
-    from kdtree.kernel import ARCH_LIMITS, KernelCompileError, compile_report, source_files
+    from kdtree.kernel import (
+        ARCH_LIMITS, KernelCompileError, KernelConfig, compile_report, nvrtc_version, source_files, use_nvrtc_library,
+    )
 
     for a in arch:
         if a not in ARCH_LIMITS:
             _fail(f"--arch: unknown target {a!r}; expected one of {', '.join(ARCH_LIMITS)}")
     try:
-        reports = [r for a in arch for r in compile_report(a)]
+        if nvrtc_lib is not None:
+            use_nvrtc_library(nvrtc_lib)
+        # every configuration the target may run (sm_90: BM 64, and BM 32 for small batches)
+        reports = [r for a in arch for c in KernelConfig.candidates(a) for r in compile_report(a, c)]
     except KernelCompileError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError, OSError) as e:
         _fail(str(e))
     if as_json:
         import dataclasses
 
         typer.echo(json.dumps([dataclasses.asdict(r) | {"ok": r.ok} for r in reports], indent=1))
     else:
-        typer.echo("sources: " + ", ".join(p.name for p in source_files()))
+        typer.echo("sources: " + ", ".join(p.name for p in source_files()) + f"   (NVRTC {nvrtc_version()})")
         for r in reports:
             typer.echo(r.line())
     raise typer.Exit(0 if all(r.ok for r in reports) else 1)

@@ -177,6 +177,7 @@ class KernelResources:
     static_smem: int
     dynamic_smem: int
     threads: int
+    bm: int = 0  # the configuration's rows per block
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -187,7 +188,7 @@ class KernelResources:
         smem = self.static_smem + self.dynamic_smem
         verdict = "ok" if self.ok else "FAIL: " + "; ".join(self.problems)
         return (
-            f"{self.arch:7s} {self.name:18s} regs {self.registers:3d}  spill st/ld {self.spill_stores}/{self.spill_loads} B  "
+            f"{self.arch:7s} bm{self.bm:<3d} {self.name:18s} regs {self.registers:3d}  spill st/ld {self.spill_stores}/{self.spill_loads} B  "
             f"stack {self.stack_bytes} B  smem {smem:,} B (static {self.static_smem:,} + dynamic {self.dynamic_smem:,})  "
             f"threads {self.threads}  {verdict}"
         )
@@ -212,6 +213,26 @@ def _nvrtc_include_dirs() -> list[str]:
         if Path(root, "cuda_bf16.h").exists():
             dirs.append(root)
     return [d for d in dirs if Path(d, "cuda_bf16.h").exists()]
+
+
+def use_nvrtc_library(path: Path) -> None:
+    """Make cuda-bindings use this libnvrtc (e.g. the version CuPy compiles with on a GPU machine: NVRTC
+    versions allocate registers differently). Must run before the first NVRTC call in this process."""
+    import ctypes
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--nvrtc: no such library: {path}")
+    for builtins in sorted(path.parent.glob("libnvrtc-builtins.so.*")):  # it opens these by name at compile time
+        ctypes.CDLL(str(builtins.resolve()), mode=os.RTLD_GLOBAL)
+    ctypes.CDLL(str(path.resolve()), mode=os.RTLD_GLOBAL)  # cuda-bindings finds it loaded and takes it
+
+
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"{major}.{minor}"
 
 
 def nvrtc_compile(arch: str, config: KernelConfig | None = None, extra: tuple[str, ...] = (), source: Path = SOURCE) -> tuple[bytes, str]:
@@ -258,6 +279,7 @@ def parse_ptxas(log: str, arch: str, config: KernelConfig) -> list[KernelResourc
             static_smem=int(smem.group(1)) if smem else 0,
             dynamic_smem=config.smem_bytes if fwd else 0,
             threads=config.threads if fwd else 128,
+            bm=config.bm,
         )
         limits = ARCH_LIMITS.get(arch)
         if r.spill_stores or r.spill_loads:

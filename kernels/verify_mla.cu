@@ -10,7 +10,8 @@
 // work is the list of (row tile, key tile of BN keys) units, request by request; a persistent grid of one
 // block per SM takes equal contiguous shares of it (stream-K), so every SM gets the same number of key
 // tiles whatever the batch looks like. Where a block's share covers a row tile whole, it writes o/lse;
-// otherwise it writes an fp32 partial (o, lse) that verify_mla_merge combines through the LSEs.
+// otherwise it writes an fp32 partial (o, lse), combined through the LSEs by the last of the tile's blocks to
+// finish (tiles of at most VMLA_FUSED_MERGE_SEGS partials) or by verify_mla_merge after this kernel.
 //
 // Inside a block (8 warps): Q fragments live in registers (BM 32) or are read from shared memory (BM 64,
 // on parts with ~227 KB); K tiles of BN keys stream through a cp.async ring whose slot ids are fetched

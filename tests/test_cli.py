@@ -87,3 +87,15 @@ def test_synth_writes_a_valid_capture_and_refuses_to_overwrite(tmp_path):
     assert r.returncode == 2 and "--force" in r.stderr and sha(out) == before
     r = kdtree("synth", "-o", out, "--preset", "deepseek-v3-tp8", "--batch", "2", "--prefix", "0,33", "--budget", "5", "--layers", "1,4", "--force")
     assert r.returncode == 0 and sha(out) == before  # same parameters, same bytes
+
+
+def test_compile_reports_every_configuration_and_refuses_a_missing_nvrtc(tmp_path):
+    import pytest
+
+    pytest.importorskip("cuda.bindings", reason="NVRTC not installed (pip install -e '.[nvrtc]')")
+    r = kdtree("compile", "--arch", "sm_90")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "(NVRTC 13." in r.stdout.splitlines()[0]
+    assert {l.split()[1] for l in r.stdout.splitlines()[1:]} == {"bm64", "bm32"}  # sm_90 runs both
+    r = kdtree("compile", "--nvrtc", tmp_path / "libnvrtc.so.13")
+    assert r.returncode == 2 and "--nvrtc: no such library" in r.stderr and r.stdout == ""

@@ -31,6 +31,14 @@ def test_kernel_fits_the_target_without_spills(arch):
     assert fwd.dynamic_smem == KernelConfig.for_arch(arch).smem_bytes
 
 
+def test_every_candidate_configuration_fits_without_spills():
+    """sm_90 also runs the 32-row configuration (small batches): it must fit there as well."""
+    for arch in ("sm_120", "sm_90"):
+        for config in KernelConfig.candidates(arch):
+            (fwd,) = [r for r in compile_report(arch, config) if r.name == "verify_mla_fwd"]
+            assert fwd.ok and fwd.bm == config.bm, fwd.line()
+
+
 def test_sm120_configuration_is_under_the_99kb_cliff():
     assert KernelConfig.for_arch("sm_120").smem_bytes <= 101_376
     assert KernelConfig.for_arch("sm_90").smem_bytes > 101_376  # the Hopper config uses its larger shared memory
