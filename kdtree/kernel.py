@@ -386,16 +386,17 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
     )
 
 
-# Relative time of one (row tile, key tile) unit by BM, and of a segment's prologue and epilogue (+ merge), in
-# units of BM 64; fitted to the H200's variants run (docs/kernel-notes.md, v7): BM 32 wins the small tree by ~8 %,
-# loses 8k x8 by ~4 % and dsv3 by ~6 %.
-UNIT_COST = {64: 1.0, 32: 0.55}
-SEGMENT_COST = 2.5
+# Relative time of one (row tile, key tile) unit by BM, and of a segment (prologue, pipeline fill, partial
+# store and merge; about proportional to BM), in units of a BM-64 unit. Fitted to the H200's same-run BM 32 /
+# BM 64 ratios (docs/kernel-notes.md, v7: small tree 0.88, 4k 0.91, 8k x8 1.05, dsv3 1.10, 32k x4 1.24).
+UNIT_COST = {64: 1.0, 32: 0.6}
+SEGMENT_COST_PER_ROW = 8.5 / 64
 
 
 def estimated_cost(p: LaunchPlan) -> float:
     """A plan's time per block in BM-64 units (for choosing between configurations, not a prediction in ms)."""
-    return (p.units * UNIT_COST.get(p.config.bm, p.config.bm / 64) + p.segments * SEGMENT_COST) / p.grid
+    unit = UNIT_COST.get(p.config.bm, p.config.bm / 64)
+    return (p.units * unit + p.segments * SEGMENT_COST_PER_ROW * p.config.bm) / p.grid
 
 
 def choose_plan(args: VerifyArgs, num_heads: int, num_sms: int, configs: tuple[KernelConfig, ...]) -> LaunchPlan:
