@@ -70,6 +70,9 @@ def source_hash(path: Path = SOURCE) -> str:
     return h.hexdigest()[:16]
 
 
+FUSED_MERGE_SEGS = 4  # split row tiles of at most this many partials are merged in verify_mla_fwd (VMLA_FUSED_MERGE_SEGS)
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Tile configuration (mirrors kernels/verify_mla_config.cuh). `for_arch` picks one per target."""
@@ -110,6 +113,7 @@ class KernelConfig:
             "VMLA_RGROUPS": self.rgroups,
             "VMLA_KHALVES": self.khalves,
             "VMLA_Q_SMEM": int(self.q_smem),
+            "VMLA_FUSED_MERGE_SEGS": FUSED_MERGE_SEGS,  # the plan's bound, so the two cannot disagree
         }
 
     @property
@@ -302,7 +306,6 @@ def compile_report(arch: str, config: KernelConfig | None = None) -> list[Kernel
 
 
 # ----- launch planning (host side, outside the launch path) --------------------------------------
-FUSED_MERGE_SEGS = 4  # VMLA_FUSED_MERGE_SEGS: split tiles of at most this many partials are merged in verify_mla_fwd
 PLAN_ARRAYS = ("cta_unit_start", "cta_first_rt", "rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base", "req_rt_base")
 
 
