@@ -144,8 +144,11 @@ def target_arch() -> str:
     return os.environ.get("KDTREE_KERNEL_TARGET") or device_arch()
 
 
-def default_config() -> KernelConfig:
-    return KernelConfig.for_arch(target_arch())
+def configs_for(config: KernelConfig | tuple[KernelConfig, ...] | None) -> tuple[KernelConfig, ...]:
+    """One configuration, several, or (None) the candidates of the target `target_arch()` names."""
+    if isinstance(config, KernelConfig):
+        return (config,)
+    return tuple(config or KernelConfig.candidates(target_arch()))
 
 
 def compile_options(config: KernelConfig, extra: tuple[str, ...] = (), source: Path = SOURCE) -> tuple[str, ...]:
@@ -442,7 +445,7 @@ class VerifyKernel:
         import cupy
 
         self.cupy = cupy
-        self.configs = (config,) if isinstance(config, KernelConfig) else tuple(config or KernelConfig.candidates(target_arch()))
+        self.configs = configs_for(config)
         self.config = self.configs[0]
         self._fns: dict[KernelConfig, tuple] = {}
         self.module, self.fwd, self.merge = self._compiled(self.config)
@@ -464,7 +467,7 @@ class VerifyKernel:
     @classmethod
     def get(cls, config: KernelConfig | tuple[KernelConfig, ...] | None = None) -> "VerifyKernel":
         """The compiled kernel, recompiled when kernels/*.cu or a header it includes changed."""
-        configs = (config,) if isinstance(config, KernelConfig) else tuple(config or KernelConfig.candidates(target_arch()))
+        configs = configs_for(config)
         key = (source_hash(), configs, torch.cuda.current_device())
         if key not in cls._cache:
             cls._cache[key] = cls(configs)
