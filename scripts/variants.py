@@ -25,7 +25,8 @@ VARIANTS = {
     "bm32_regs": (KernelConfig(), {}),  # sm_120's configuration
     "bm64_r2k1": (KernelConfig(**BM64), {}),  # sm_90's configuration
     "bm64_16warps": (KernelConfig(**(BM64 | dict(warps=16, khalves=2))), {}),  # 128 registers each: spills
-    # v7 steps: v6's pool loads and merge kernel; the kernel with the max allowed to lag by 8 (log2)
+    # v7's switches one at a time (a lagging max, no padding skips, no rescale skip), and all off with v6's
+    # chunked pool loads and merge kernel
     "tau8": (KernelConfig(**BM64, extra=(("VMLA_RESCALE_TAU", 8),)), {}),
     "no_pad_skip": (KernelConfig(**BM64, extra=(("VMLA_PAD_SKIP", 0),)), {}),
     "no_rescale_skip": (KernelConfig(**BM64, extra=(("VMLA_RESCALE_SKIP", 0),)), {}),
