@@ -86,6 +86,43 @@ struct Args {
   float* __restrict__ lse;                      // [T * H] or null
 };
 
+// 2^x: exp2f, or with VMLA_FAST_EXP the bare ex2.approx.ftz (exp2f wraps it in a rescale for results below
+// 2^-126, 3 more instructions per score; such p are far below bf16 P's contribution to any output).
+__device__ __forceinline__ float exp2_(float x) {
+#if VMLA_FAST_EXP
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return exp2f(x);
+#endif
+}
+
+// Bit c is set where key key0 + c (c < COLS) is visible to the row: below k_end, and a prefix key, or a draft
+// key whose bit is set in the row's tree mask (rows past the request's last see every key below k_end). The
+// COLS keys touch at most two mask words, each read once; a thread of prefix keys reads none.
+template <int COLS>
+__device__ __forceinline__ uint32_t visible_keys(const Args& a, int key0, int k_end, int prefix, bool row_valid, int token) {
+  static_assert(COLS < 32, "a thread's keys fit one word of bits");
+  constexpr uint32_t ALL = (1u << COLS) - 1u;
+  const int live = k_end - key0;  // keys below k_end
+  uint32_t bits = live >= COLS ? ALL : live <= 0 ? 0u : (1u << live) - 1u;
+  const int j0 = key0 - prefix;  // draft index of the first key (< 0: it is a prefix key)
+  const int ja = max(j0, 0), jb = min(j0 + COLS, k_end - prefix) - 1;  // the live draft keys among them
+  if (row_valid && jb >= ja) {
+    const int* row = a.tree_mask + static_cast<int64_t>(token) * a.mask_words;
+    const uint32_t w0 = row[ja >> 5], w1 = (jb >> 5) != (ja >> 5) ? row[jb >> 5] : 0u;
+    uint32_t seen = j0 < 0 ? (1u << -j0) - 1u : 0u;  // the prefix keys (j0 > -COLS here)
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+      const int j = j0 + c;
+      if (j >= ja && j <= jb) seen |= ((((j >> 5) == (ja >> 5) ? w0 : w1) >> (j & 31)) & 1u) << c;
+    }
+    bits &= seen;
+  }
+  return bits;
+}
+
 // One row's state in the online softmax (m in the log2 domain).
 struct RowState {
   float m = VMLA_NEG_INF, l = 0.f;
@@ -116,6 +153,14 @@ __device__ __forceinline__ float softmax_step(RowState& st, float (&x)[COLS], __
     for (int c = 0; c < COLS; ++c) x[c] *= scale_log2;
   }
   float tile_max = VMLA_NEG_INF;
+#if VMLA_FAST_MASK
+  const uint32_t vis = visible_keys<COLS>(a, key0, k_end, prefix, row_valid, token);
+#pragma unroll
+  for (int c = 0; c < COLS; ++c) {
+    if (!((vis >> c) & 1u)) x[c] = VMLA_NEG_INF;
+    tile_max = fmaxf(tile_max, x[c]);
+  }
+#else
 #pragma unroll
   for (int c = 0; c < COLS; ++c) {
     const int key = key0 + c;
@@ -128,6 +173,7 @@ __device__ __forceinline__ float softmax_step(RowState& st, float (&x)[COLS], __
     x[c] = visible ? v : VMLA_NEG_INF;
     tile_max = fmaxf(tile_max, x[c]);
   }
+#endif
 #pragma unroll
   for (int off = TPR / 2; off > 0; off /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
   // The reference max moves only when the tile's max exceeds it by more than VMLA_RESCALE_TAU (log2 units; 0 by
@@ -136,12 +182,12 @@ __device__ __forceinline__ float softmax_step(RowState& st, float (&x)[COLS], __
   const bool grow = tile_max > st.m + VMLA_RESCALE_TAU;  // st.m = -inf: any visible key grows it
   const float m_new = grow ? tile_max : st.m;
   const float m_use = m_new == VMLA_NEG_INF ? 0.f : m_new;
-  const float alpha = grow ? exp2f(st.m - m_use) : 1.f;
+  const float alpha = grow ? exp2_(st.m - m_use) : 1.f;
   float psum = 0.f;
   __nv_bfloat16 pb[COLS];
 #pragma unroll
   for (int c = 0; c < COLS; ++c) {
-    const float pv = exp2f(x[c] - m_use);
+    const float pv = exp2_(x[c] - m_use);
     psum += pv;
     pb[c] = __float2bfloat16_rn(pv);
   }

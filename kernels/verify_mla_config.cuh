@@ -49,6 +49,13 @@
 #ifndef VMLA_RESCALE_SKIP
 #define VMLA_RESCALE_SKIP 1  // skip the accumulator rescale on tiles where no row of the block moved its max
 #endif
+// Prepared in session 3, not yet run on a GPU (off until scripts/variants.py and make test-gpu say otherwise):
+#ifndef VMLA_FAST_MASK
+#define VMLA_FAST_MASK 0  // the softmax step's tree mask as one bit word per thread (<= 2 mask loads, no branches per key)
+#endif
+#ifndef VMLA_FAST_EXP
+#define VMLA_FAST_EXP 0  // bare ex2.approx.ftz for p and alpha
+#endif
 #ifndef VMLA_FUSED_MERGE_SEGS
 #define VMLA_FUSED_MERGE_SEGS 4  // split row tiles of at most this many partials may be merged by their last block
 #endif

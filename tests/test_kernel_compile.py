@@ -1,6 +1,7 @@
 """Cross-compiling the kernel without a GPU (NVRTC): resources within each target's limits, header
 changes tracked, compile errors quoted with their source lines."""
 
+import dataclasses
 import shutil
 
 import pytest
@@ -37,6 +38,15 @@ def test_every_candidate_configuration_fits_without_spills():
         for config in KernelConfig.candidates(arch):
             (fwd,) = [r for r in compile_report(arch, config) if r.name == "verify_mla_fwd"]
             assert fwd.ok and fwd.bm == config.bm, fwd.line()
+
+
+@pytest.mark.parametrize("switches", [(("VMLA_FAST_MASK", 1), ("VMLA_FAST_EXP", 1))], ids=["fast-softmax"])
+def test_prepared_switches_compile_and_fit(switches):
+    """Switches prepared for the next GPU run (off by default) still compile, without spills, everywhere."""
+    for arch in ("sm_120", "sm_90"):
+        for config in KernelConfig.candidates(arch):
+            (fwd,) = [r for r in compile_report(arch, dataclasses.replace(config, extra=switches)) if r.name == "verify_mla_fwd"]
+            assert fwd.ok, fwd.line()
 
 
 def test_sm120_configuration_is_under_the_99kb_cliff():

@@ -172,6 +172,25 @@ def test_fused_merge_gives_the_merge_kernels_bits(target):
         assert torch.equal(o.view(torch.int16), first.view(torch.int16))
 
 
+@pytest.mark.parametrize("target", [None, "sm_120"], ids=["this-gpu", "sm_120-config"])
+def test_branch_free_tree_mask_gives_the_same_bits(target):
+    """VMLA_FAST_MASK (prepared, off by default) reads the tree mask as one bit word per thread: the same keys
+    are visible, so the output must not change by a bit - on every shipped capture and fuzz batches with
+    deep trees, long prefixes and keys past the end of a segment."""
+    import dataclasses
+
+    from kdtree.kernel import KernelConfig, VerifyKernel
+
+    base = KernelConfig.for_arch(target) if target else VerifyKernel.get().config
+    plain, fast = VerifyKernel.get(base), VerifyKernel.get(dataclasses.replace(base, extra=(("VMLA_FAST_MASK", 1),)))
+    caps = [load(p) for p in SHIPPED] + [synthesize(fuzz_spec(s), device="cuda", reference=False) for s in range(0, 40, 3)]
+    for cap in caps:
+        lid = cap.meta.layer_ids[0]
+        args, q, pool = marshal(cap), cap.layer(lid).q.cuda(), cap.pool(lid, "cuda")
+        (o1, l1), (o2, l2) = plain.run(args, q, pool), fast.run(args, q, pool)
+        assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)) and torch.equal(l1, l2)
+
+
 @pytest.mark.parametrize("seed", range(0, 200, 4))
 def test_lockstep_kernel_sm120_configuration(monkeypatch, seed):
     """The kernel sm_120 runs (verify_mla.cu, 32 rows, Q in registers, < 99 KB) also runs here: every shipped
