@@ -328,7 +328,6 @@ class LaunchPlan:
     grid: int  # persistent blocks
     units: int  # (row tile, key tile) work units
     segments: int  # partial slots (row tiles split across blocks, one slot per block touching them)
-    row_tiles: int
     fused_merge: bool  # the last block of each split tile merges it (no verify_mla_merge launch)
     config: KernelConfig
     arrays: dict[str, torch.Tensor] = field(repr=False)
@@ -336,6 +335,10 @@ class LaunchPlan:
     @property
     def split(self) -> bool:
         return self.segments > 0
+
+    @property
+    def row_tiles(self) -> int:
+        return len(self.arrays["rt_request"])
 
     def to(self, device) -> "LaunchPlan":
         return dataclasses.replace(self, arrays={k: v.to(device) for k, v in self.arrays.items()})
@@ -385,7 +388,6 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
         grid=grid,
         units=units,
         segments=int(rt_seg_base[-1]),
-        row_tiles=len(rt_request),
         fused_merge=fused_merge and bool(rt_seg_base[-1] > 0),
         config=config,
         arrays={k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int32)) for k, v in arrays.items()},
