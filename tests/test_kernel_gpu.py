@@ -78,6 +78,19 @@ def test_faults_are_caught_through_the_kernel(kern, path, fault):
     assert d.rel > 0.3, d.line()
 
 
+def captured_launch(kern, p, args, q, pool, o, lse, ws) -> "torch.cuda.CUDAGraph":
+    """The launch captured in a CUDA graph (after one warm-up launch outside the capture)."""
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kern.launch(p, args, q, pool, o, lse, ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(g):
+        kern.launch(p, args, q, pool, o, lse, ws)
+    return g
+
+
 def test_deterministic_and_graph_replay_matches(kern):
     from kdtree.kernel import Workspace
 
@@ -98,14 +111,7 @@ def test_deterministic_and_graph_replay_matches(kern):
     assert torch.equal(outs[0][0].view(torch.int16), outs[1][0].view(torch.int16))
     assert torch.equal(outs[0][1], outs[1][1])
     o, lse = poisoned((T, H, 512), "cuda"), torch.empty(T, H, device="cuda")
-    g = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        kern.launch(p, args, q, pool, o, lse, ws)  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(g):
-        kern.launch(p, args, q, pool, o, lse, ws)
+    g = captured_launch(kern, p, args, q, pool, o, lse, ws)
     o.view(torch.int16).fill_(0x7FA5)
     g.replay()
     torch.cuda.synchronize()
@@ -157,14 +163,7 @@ def test_fused_merge_gives_the_merge_kernels_bits(target):
     o, lse = poisoned((T, H, 512), "cuda"), torch.empty(T, H, device="cuda")
     kern.launch(p, args, q, pool, o, lse, ws)
     first = o.clone()
-    g = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        kern.launch(p, args, q, pool, o, lse, ws)
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(g):
-        kern.launch(p, args, q, pool, o, lse, ws)
+    g = captured_launch(kern, p, args, q, pool, o, lse, ws)
     for _ in range(3):
         o.view(torch.int16).fill_(0x7FA5)
         g.replay()
