@@ -85,6 +85,8 @@ class KernelConfig:
     rgroups: int = 1  # ... rows split ...
     khalves: int = 2  # ... keys split
     q_smem: bool = False  # Q fragments in registers (False) or read from shared memory every tile (True)
+    kpasses: int = 1  # QK of a warp's keys in this many passes (fewer live score registers)
+    blocks_per_sm: int = 1  # resident blocks per SM: the persistent grid is this many per SM
     extra: tuple[tuple[str, int], ...] = ()  # more -D switches (timing experiments)
 
     @classmethod
@@ -113,6 +115,8 @@ class KernelConfig:
             "VMLA_RGROUPS": self.rgroups,
             "VMLA_KHALVES": self.khalves,
             "VMLA_Q_SMEM": int(self.q_smem),
+            "VMLA_KPASSES": self.kpasses,
+            "VMLA_BLOCKS_PER_SM": self.blocks_per_sm,
             "VMLA_FUSED_MERGE_SEGS": FUSED_MERGE_SEGS,  # the plan's bound, so the two cannot disagree
         }
 
@@ -344,7 +348,7 @@ class LaunchPlan:
         return dataclasses.replace(self, arrays={k: v.to(device) for k, v in self.arrays.items()})
 
 
-def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *, blocks_per_sm: int = 1,
+def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *, blocks_per_sm: int | None = None,
          fused_merge: bool | None = None) -> LaunchPlan:
     """Cut the batch into row tiles x key tiles and share the units equally among one block per SM (a request's
     last row tile costs about as much per unit as a full one, measured: weighting it lighter was slower).
@@ -358,7 +362,7 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
     rt_row0 = np.concatenate([np.arange(r) * config.bm for r in row_tiles])
     rt_unit_start = np.concatenate([[0], np.cumsum(key_tiles[rt_request])])
     units = int(rt_unit_start[-1])
-    grid = max(1, min(num_sms * blocks_per_sm, units))
+    grid = max(1, min(num_sms * (blocks_per_sm or config.blocks_per_sm), units))
     cta_unit_start = np.arange(grid + 1) * units // grid
     cta_first_rt = np.searchsorted(rt_unit_start, cta_unit_start[:-1], side="right") - 1
     rt_first_cta = np.searchsorted(cta_unit_start, rt_unit_start[:-1], side="right") - 1

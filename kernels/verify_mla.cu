@@ -28,6 +28,7 @@ constexpr int KSTEPS_PER_SLICE = KSTEPS / VMLA_DSLICES;           // 9 k16-steps
 constexpr int MT = VMLA_BM / 16;                                  // m16 tiles per block
 constexpr int QK_MT = MT / VMLA_RGROUPS;                          // m16 tiles per warp in QK
 constexpr int QK_NT = VMLA_BN / VMLA_KHALVES / 8;                 // n8 tiles of keys per warp in QK
+constexpr int PASS_NT = QK_NT / VMLA_KPASSES;                     // ... per pass over them
 constexpr int PV_COLS = VMLA_VDIM / VMLA_WARPS;                   // output columns per warp
 constexpr int PV_NT = PV_COLS / 8;
 constexpr int CHUNKS_PER_ROW = VMLA_DIM * 2 / 16;                 // 16-byte pieces per 576-wide row
@@ -35,7 +36,8 @@ constexpr int THREADS_PER_ROW = NUM_THREADS / VMLA_BM;            // softmax thr
 constexpr int COLS_PER_THREAD = VMLA_BN / THREADS_PER_ROW;
 
 static_assert(VMLA_DSLICES * VMLA_RGROUPS * VMLA_KHALVES == VMLA_WARPS, "QK split must use every warp");
-static_assert(QK_MT * VMLA_RGROUPS == MT && QK_NT % 2 == 0, "QK rows and keys must split evenly");
+static_assert(QK_MT * VMLA_RGROUPS == MT && PASS_NT % 2 == 0 && PASS_NT * VMLA_KPASSES == QK_NT,
+              "QK rows and keys must split evenly");
 static_assert(KSTEPS_PER_SLICE * 16 * VMLA_DSLICES == VMLA_DIM, "dims must split evenly");
 static_assert(PV_COLS * VMLA_WARPS == VMLA_VDIM && PV_NT % 2 == 0, "output columns must split evenly");
 static_assert(COLS_PER_THREAD % 4 == 0 && THREADS_PER_ROW <= 32, "softmax step reads float4s within a warp");
@@ -231,41 +233,45 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   zero_frags(acc);
 
   // ---- S partial = Q[:, slice] K[keys of this part, slice]^T for the tile in `stage`, to sm.s ----
+  // (in VMLA_KPASSES passes over the part's keys: fewer score registers live at once, for 4-warp blocks)
   auto qk_tile = [&](int stage) {
-    float s[QK_MT][QK_NT][4];
-    zero_frags(s);
-    const int key_base = khalf * (VMLA_BN / VMLA_KHALVES);
     if (VMLA_PAD_SKIP && qk_row0 >= valid_rows) return;  // this warp's rows are all padding (a request's last row tile)
 #pragma unroll
-    for (int ks = 0; ks < KSTEPS_PER_SLICE; ++ks) {
-      const int d0 = dslice * KSTEPS_PER_SLICE * 16 + ks * 16;
-#if VMLA_Q_SMEM
-      uint32_t qa[QK_MT][4];
+    for (int kp = 0; kp < VMLA_KPASSES; ++kp) {
+      float s[QK_MT][PASS_NT][4];
+      zero_frags(s);
+      const int key_base = khalf * (VMLA_BN / VMLA_KHALVES) + kp * PASS_NT * 8;
 #pragma unroll
-      for (int mi = 0; mi < QK_MT; ++mi)
-        if (qk_row0 + mi * 16 < valid_rows) load_a_frag<ROW_STRIDE>(qa[mi], &qs[0][0], qk_row0 + mi * 16, d0, lane);
+      for (int ks = 0; ks < KSTEPS_PER_SLICE; ++ks) {
+        const int d0 = dslice * KSTEPS_PER_SLICE * 16 + ks * 16;
+#if VMLA_Q_SMEM
+        uint32_t qa[QK_MT][4];
+#pragma unroll
+        for (int mi = 0; mi < QK_MT; ++mi)
+          if (qk_row0 + mi * 16 < valid_rows) load_a_frag<ROW_STRIDE>(qa[mi], &qs[0][0], qk_row0 + mi * 16, d0, lane);
 #define VMLA_QFRAG(mi) qa[mi]
 #else
 #define VMLA_QFRAG(mi) qf[mi][ks]
 #endif
 #pragma unroll
-      for (int np = 0; np < QK_NT; np += 2) {
-        uint32_t kb[4];
-        ldmatrix_x4(kb, &sm.kv[stage][key_base + np * 8 + (lane / 16) * 8 + lane % 8][d0 + ((lane / 8) % 2) * 8]);
+        for (int np = 0; np < PASS_NT; np += 2) {
+          uint32_t kb[4];
+          ldmatrix_x4(kb, &sm.kv[stage][key_base + np * 8 + (lane / 16) * 8 + lane % 8][d0 + ((lane / 8) % 2) * 8]);
 #ifndef VMLA_SKIP_QK
 #pragma unroll
-        for (int mi = 0; mi < QK_MT; ++mi) {
-          if (qk_row0 + mi * 16 >= valid_rows) continue;  // a tile's last rows may be padding: no work
-          mma_bf16(s[mi][np], VMLA_QFRAG(mi), kb[0], kb[1]);
-          mma_bf16(s[mi][np + 1], VMLA_QFRAG(mi), kb[2], kb[3]);
-        }
+          for (int mi = 0; mi < QK_MT; ++mi) {
+            if (qk_row0 + mi * 16 >= valid_rows) continue;  // a tile's last rows may be padding: no work
+            mma_bf16(s[mi][np], VMLA_QFRAG(mi), kb[0], kb[1]);
+            mma_bf16(s[mi][np + 1], VMLA_QFRAG(mi), kb[2], kb[3]);
+          }
 #else
-        s[0][np][0] += __uint_as_float(kb[0] ^ kb[3] ^ VMLA_QFRAG(0)[0]);
+          s[0][np][0] += __uint_as_float(kb[0] ^ kb[3] ^ VMLA_QFRAG(0)[0]);
 #endif
-      }
+        }
 #undef VMLA_QFRAG
+      }
+      store_scores(&sm.s[dslice][0][0], s, qk_row0, key_base, valid_rows, lane);
     }
-    store_scores(&sm.s[dslice][0][0], s, qk_row0, key_base, valid_rows, lane);
   };
 
   for (int t = 0; t < num_tiles; ++t) {
@@ -318,7 +324,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
 
 // Persistent stream-K grid: block c takes work units [cta_unit_start[c], cta_unit_start[c + 1]) of the list of
 // (row tile, key tile) units; row tile rt owns units [rt_unit_start[rt], rt_unit_start[rt + 1]).
-extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, VMLA_BLOCKS_PER_SM)
 verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv_buffer,
                const int* __restrict__ qo_indptr, const int* __restrict__ kv_indptr,
                const int* __restrict__ kv_indices, const int* __restrict__ prefix_lens,

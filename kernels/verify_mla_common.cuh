@@ -269,6 +269,9 @@ __device__ __forceinline__ void rescale_acc(float (&acc)[MTILES][NTILES][4], con
 template <int MTILES, int NTILES>
 __device__ __forceinline__ void pv_step(float (&acc)[MTILES][NTILES][4], const __nv_bfloat16* p,
                                         const __nv_bfloat16* v, int col0, int valid_rows, int lane) {
+  constexpr int GROUP = NTILES < VMLA_PV_GROUP ? NTILES : VMLA_PV_GROUP;  // n8 tiles per P fragment load
+#pragma unroll
+  for (int ng = 0; ng < NTILES; ng += GROUP)
 #pragma unroll
   for (int kk = 0; kk < VMLA_BN / 16; ++kk) {
     uint32_t pa[MTILES][4];
@@ -276,7 +279,7 @@ __device__ __forceinline__ void pv_step(float (&acc)[MTILES][NTILES][4], const _
     for (int mi = 0; mi < MTILES; ++mi)
       if (mi * 16 < valid_rows) load_a_frag<P_STRIDE>(pa[mi], p, mi * 16, kk * 16, lane);
 #pragma unroll
-    for (int np = 0; np < NTILES; np += 2) {
+    for (int np = ng; np < ng + GROUP; np += 2) {
       uint32_t vb[4];
       const int key = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
       ldmatrix_x4_trans(vb, v + key * ROW_STRIDE + col0 + np * 8 + (lane / 16) * 8);

@@ -29,6 +29,15 @@
 #ifndef VMLA_KHALVES
 #define VMLA_KHALVES 2    // ... and the BN keys in parts (DSLICES x RGROUPS x KHALVES = WARPS)
 #endif
+#ifndef VMLA_KPASSES
+#define VMLA_KPASSES 1    // QK of a warp's keys in this many passes (fewer live score registers)
+#endif
+#ifndef VMLA_PV_GROUP
+#define VMLA_PV_GROUP 8   // P.V: the n8 tiles of output columns taken per pass over the keys (bounds live V fragments)
+#endif
+#ifndef VMLA_BLOCKS_PER_SM
+#define VMLA_BLOCKS_PER_SM 1  // resident blocks per SM the persistent grid counts on (__launch_bounds__)
+#endif
 #ifndef VMLA_Q_SMEM
 #define VMLA_Q_SMEM 0     // 0: Q fragments live in registers (BM 32); 1: Q stays in shared memory (BM 64, big smem)
 #endif
@@ -49,12 +58,12 @@
 #ifndef VMLA_RESCALE_SKIP
 #define VMLA_RESCALE_SKIP 1  // skip the accumulator rescale on tiles where no row of the block moved its max
 #endif
-// Prepared in session 3, not yet run on a GPU (off until scripts/variants.py and make test-gpu say otherwise):
 #ifndef VMLA_FAST_MASK
-#define VMLA_FAST_MASK 0  // the softmax step's tree mask as one bit word per thread (<= 2 mask loads, no branches per key)
+#define VMLA_FAST_MASK 1  // the softmax step's tree mask as one bit word per thread (<= 2 mask loads, no branches
+                          // per key): -4 to -6 % on the H200, same bits (0: the mask read key by key)
 #endif
 #ifndef VMLA_FAST_EXP
-#define VMLA_FAST_EXP 0  // bare ex2.approx.ftz for p and alpha
+#define VMLA_FAST_EXP 0  // bare ex2.approx.ftz for p and alpha (measured: no gain, same bits on the bench cases)
 #endif
 #ifndef VMLA_FUSED_MERGE_SEGS
 #define VMLA_FUSED_MERGE_SEGS 4  // split row tiles of at most this many partials may be merged by their last block

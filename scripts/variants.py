@@ -31,14 +31,24 @@ VARIANTS = {
     "no_pad_skip": (KernelConfig(**BM64, extra=(("VMLA_PAD_SKIP", 0),)), {}),
     "no_rescale_skip": (KernelConfig(**BM64, extra=(("VMLA_RESCALE_SKIP", 0),)), {}),
     "v6_strict": (KernelConfig(**BM64, extra=(("VMLA_PAD_SKIP", 0), ("VMLA_RESCALE_SKIP", 0), ("VMLA_ROW_LOADS", 0))), V6_PLAN),
-    # prepared in session 3, not yet run: a branch-free tree mask (<= 2 mask loads a thread) and bare ex2
+    # session 3's branch-free tree mask (default since session 4: fast_mask = the default, no_fast_mask = key by key)
+    # and bare ex2 (no gain)
     "fast_mask": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 1),)), {}),
+    "no_fast_mask": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 0),)), {}),
     "fast_exp": (KernelConfig(**BM64, extra=(("VMLA_FAST_EXP", 1),)), {}),
     "fast_softmax": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 1), ("VMLA_FAST_EXP", 1))), {}),
     "bm32_fast_softmax": (KernelConfig(extra=(("VMLA_FAST_MASK", 1), ("VMLA_FAST_EXP", 1))), {}),
+    # BM 32 in blocks of 4 warps, two resident per SM (independent barriers: one block's softmax under the other's MMAs)
+    "bm32_w4x2": (KernelConfig(warps=4, khalves=1, kpasses=2, blocks_per_sm=2), {}),
+    "bm32_w4x1": (KernelConfig(warps=4, khalves=1, kpasses=2), {}),
+    # BM 32 with 64-key tiles (half the barriers and per-tile steps per key; sm_90's shared memory only)
+    "bm32_bn64": (KernelConfig(bn=64, kpasses=2), {}),
+    "bm32_bn64_k1": (KernelConfig(bn=64), {}),
+    "bm32_bn64_qsmem": (KernelConfig(bn=64, kpasses=2, q_smem=True), {}),
     # the same kernel with parts of each tile's work left out (wrong output; where does the time go?)
     **{
-        f"bm64_skip_{n}": (KernelConfig(**BM64, extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})
+        f"{bm}_skip_{n}": (KernelConfig(**base, extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})
+        for bm, base in {"bm64": BM64, "bm32": {}}.items()
         for n, ks in {"qk": ["QK"], "pv": ["PV"], "mma": ["QK", "PV"], "softmax": ["SOFTMAX"], "load": ["LOAD"],
                       "all": ["QK", "PV", "SOFTMAX", "LOAD"]}.items()
     },
@@ -48,7 +58,7 @@ VARIANTS = {
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="*", default=["32k x4", "dsv3", "small tree", "8k x8", "mixed"])
-    ap.add_argument("--variants", nargs="*", default=["bm64_r2k1", "fast_mask", "fast_exp", "fast_softmax", "bm32_regs", "bm32_fast_softmax"])
+    ap.add_argument("--variants", nargs="*", default=["bm64_r2k1", "no_fast_mask", "fast_exp", "bm32_regs", "bm32_w4x2"])
     a = ap.parse_args()
     cases = [c for c in bench.CASES if any(s in c.name for s in a.cases)]
     rows, first = {}, {}

@@ -40,9 +40,9 @@ def test_every_candidate_configuration_fits_without_spills():
             assert fwd.ok and fwd.bm == config.bm, fwd.line()
 
 
-@pytest.mark.parametrize("switches", [(("VMLA_FAST_MASK", 1), ("VMLA_FAST_EXP", 1))], ids=["fast-softmax"])
-def test_prepared_switches_compile_and_fit(switches):
-    """Switches prepared for the next GPU run (off by default) still compile, without spills, everywhere."""
+@pytest.mark.parametrize("switches", [(("VMLA_FAST_EXP", 1),), (("VMLA_FAST_MASK", 0),)], ids=["fast-exp", "per-key-mask"])
+def test_optional_switches_compile_and_fit(switches):
+    """Switches kept for experiments (off by default: measured no gain) still compile, without spills, everywhere."""
     for arch in ("sm_120", "sm_90"):
         for config in KernelConfig.candidates(arch):
             (fwd,) = [r for r in compile_report(arch, dataclasses.replace(config, extra=switches)) if r.name == "verify_mla_fwd"]

@@ -172,22 +172,28 @@ def test_fused_merge_gives_the_merge_kernels_bits(target):
 
 
 @pytest.mark.parametrize("target", [None, "sm_120"], ids=["this-gpu", "sm_120-config"])
-def test_branch_free_tree_mask_gives_the_same_bits(target):
-    """VMLA_FAST_MASK (prepared, off by default) reads the tree mask as one bit word per thread: the same keys
-    are visible, so the output must not change by a bit - on every shipped capture and fuzz batches with
-    deep trees, long prefixes and keys past the end of a segment."""
+def test_restructured_loops_give_the_same_bits(target):
+    """Switches that reorganise work without changing any sum's order must not change the output by a bit: the
+    tree mask read key by key (VMLA_FAST_MASK=0, the default reads it as one bit word per thread), P.V in
+    column groups of 4 n8 tiles, QK in two passes over a warp's keys (where they split evenly) - on every
+    shipped capture and fuzz batches with deep trees, long prefixes and keys past the end of a segment."""
     import dataclasses
 
     from kdtree.kernel import KernelConfig, VerifyKernel
 
     base = KernelConfig.for_arch(target) if target else VerifyKernel.get().config
-    plain, fast = VerifyKernel.get(base), VerifyKernel.get(dataclasses.replace(base, extra=(("VMLA_FAST_MASK", 1),)))
+    others = [dataclasses.replace(base, extra=(("VMLA_FAST_MASK", 0),)), dataclasses.replace(base, extra=(("VMLA_PV_GROUP", 4),))]
+    if (base.bn // base.khalves // 8) % 4 == 0:
+        others.append(dataclasses.replace(base, kpasses=2))
+    kernels = [VerifyKernel.get(c) for c in [base, *others]]
     caps = [load(p) for p in SHIPPED] + [synthesize(fuzz_spec(s), device="cuda", reference=False) for s in range(0, 40, 3)]
     for cap in caps:
         lid = cap.meta.layer_ids[0]
         args, q, pool = marshal(cap), cap.layer(lid).q.cuda(), cap.pool(lid, "cuda")
-        (o1, l1), (o2, l2) = plain.run(args, q, pool), fast.run(args, q, pool)
-        assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)) and torch.equal(l1, l2)
+        o1, l1 = kernels[0].run(args, q, pool)
+        for kern in kernels[1:]:
+            o2, l2 = kern.run(args, q, pool)
+            assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)) and torch.equal(l1, l2), kern.config
 
 
 @pytest.mark.parametrize("seed", range(0, 200, 4))
