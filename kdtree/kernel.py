@@ -35,6 +35,7 @@ ARCH_LIMITS = {
     "sm_86": {"smem_per_block": 101_376, "regs_per_sm": 65_536},
     "sm_89": {"smem_per_block": 101_376, "regs_per_sm": 65_536},
     "sm_90": {"smem_per_block": 232_448, "regs_per_sm": 65_536},
+    "sm_90a": {"smem_per_block": 232_448, "regs_per_sm": 65_536},  # sm_90 with wgmma (the Hopper path)
     "sm_100": {"smem_per_block": 232_448, "regs_per_sm": 65_536},
     "sm_120": {"smem_per_block": 101_376, "regs_per_sm": 65_536},
 }
@@ -87,6 +88,7 @@ class KernelConfig:
     q_smem: bool = False  # Q fragments in registers (False) or read from shared memory every tile (True)
     kpasses: int = 1  # QK of a warp's keys in this many passes (fewer live score registers)
     blocks_per_sm: int = 1  # resident blocks per SM: the persistent grid is this many per SM
+    wgmma: bool = False  # the Hopper segment (warpgroup MMAs from swizzled shared memory; sm_90a, BM 64)
     extra: tuple[tuple[str, int], ...] = ()  # more -D switches (timing experiments)
 
     @classmethod
@@ -94,6 +96,8 @@ class KernelConfig:
         """sm_120-class parts (101,376 B of shared memory per block): 32 rows per block with Q in registers.
         Parts with ~227 KB (sm_90, sm_100): 64 rows per block with Q in shared memory, which halves the
         pool bytes each block pulls from L2 per FLOP (v2 measured the 32-row kernel L2-bound on an H200)."""
+        if arch == "sm_90a":
+            return cls(bm=64, rgroups=2, khalves=1, q_smem=True, wgmma=True)
         if ARCH_LIMITS.get(arch, {}).get("smem_per_block", 0) >= 200_000:
             return cls(bm=64, rgroups=2, khalves=1, q_smem=True)
         return cls()
@@ -117,6 +121,7 @@ class KernelConfig:
             "VMLA_Q_SMEM": int(self.q_smem),
             "VMLA_KPASSES": self.kpasses,
             "VMLA_BLOCKS_PER_SM": self.blocks_per_sm,
+            "VMLA_WGMMA": int(self.wgmma),
             "VMLA_FUSED_MERGE_SEGS": FUSED_MERGE_SEGS,  # the plan's bound, so the two cannot disagree
         }
 
@@ -127,6 +132,9 @@ class KernelConfig:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory of verify_mla_fwd: sizeof(Smem) in the .cu."""
+        if self.wgmma:  # verify_mla_wgmma.cuh: Q and the stages as unpadded swizzled rows, two partial-score
+            # buffers, the slot-id ring, a flag; + 1024 B to align the atoms
+            return 64 * 576 * 2 + self.stages * self.bn * 576 * 2 + 2 * 64 * (self.bn + 8) * 4 + 2 * self.stages * self.bn * 4 + 16 + 1024
         row = (576 + 8) * 2  # a pool row or Q row, padded by 16 B
         q = self.bm * row if self.q_smem else 0
         kv = self.stages * self.bn * row
@@ -462,13 +470,48 @@ class VerifyKernel:
         """(module, fwd, merge) for `config`, compiled on first use."""
         if config not in self._fns:
             try:
-                module = self.cupy.RawModule(code=SOURCE.read_text(), options=compile_options(config))
+                if config.wgmma:
+                    module = self._cubin_module(config)
+                else:
+                    module = self.cupy.RawModule(code=SOURCE.read_text(), options=compile_options(config))
                 fwd, merge = module.get_function(FWD), module.get_function(MERGE)
             except self.cupy.cuda.compiler.CompileException as e:
                 raise KernelCompileError(f"{SOURCE.name} does not compile:\n" + format_compile_error(str(e))) from None
             fwd.max_dynamic_shared_size_bytes = config.smem_bytes
             self._fns[config] = (module, fwd, merge)
         return self._fns[config]
+
+    def _cubin_module(self, config: KernelConfig):
+        """The module for a configuration CuPy cannot build (it passes the GPU's own -arch, and wgmma needs
+        sm_90a): NVRTC through CuPy's bindings, then the cubin loaded as a RawModule."""
+        import tempfile
+
+        from cupy_backends.cuda.libs import nvrtc as cnvrtc
+
+        arch = "sm_90a"
+        if device_arch() != "sm_90":
+            raise KernelCompileError(f"the wgmma configuration runs on sm_90 (Hopper) only, not on {device_arch()}")
+        includes = list(_nvrtc_include_dirs())
+        cuda_path = self.cupy.cuda.get_cuda_path()
+        if cuda_path and Path(cuda_path, "include", "cuda_bf16.h").exists():
+            includes.append(str(Path(cuda_path, "include")))
+        opts = [f"-arch={arch}", *compile_options(config), *(f"-I{d}" for d in includes)]
+        prog = cnvrtc.createProgram(SOURCE.read_text(), SOURCE.name, (), ())
+        try:
+            try:
+                cnvrtc.compileProgram(prog, opts)
+            except cnvrtc.NVRTCError:
+                raise KernelCompileError(f"{SOURCE.name} does not compile for {arch}:\n"
+                                         + format_compile_error(cnvrtc.getProgramLog(prog))) from None
+            cubin = cnvrtc.getCUBIN(prog)
+        finally:
+            cnvrtc.destroyProgram(prog)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "verify_mla.cubin")
+            path.write_bytes(cubin)
+            module = self.cupy.RawModule(path=str(path))
+            module.get_function(FWD)  # loaded now, while the file exists
+        return module
 
     @classmethod
     def get(cls, config: KernelConfig | tuple[KernelConfig, ...] | None = None) -> "VerifyKernel":

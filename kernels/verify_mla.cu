@@ -106,8 +106,17 @@ __device__ __forceinline__ void load_kv_tile(Smem& sm, int stage, int slot, cons
 
 }  // namespace
 
+#if VMLA_WGMMA
+#include "verify_mla_wgmma.cuh"
+using BlockSmem = vmla_wg::Smem;
+constexpr int SMEM_ALIGN = 1024;  // the swizzled atoms need 1024-byte alignment: the block aligns its base
+#else
+using BlockSmem = Smem;
+constexpr int SMEM_ALIGN = 0;
+#endif
+
 // Dynamic shared memory verify_mla_fwd needs (kdtree.kernel.KernelConfig.smem_bytes must agree; a GPU test checks).
-extern "C" __constant__ int verify_mla_smem_bytes = sizeof(Smem);
+extern "C" __constant__ int verify_mla_smem_bytes = sizeof(BlockSmem) + SMEM_ALIGN;
 
 // The fused merge: after a block has written its partial of a split row tile, the last of the tile's `segs`
 // blocks to finish (counted in *counter, reset to 0 for the next launch) combines them into o/lse. Only for
@@ -120,7 +129,8 @@ struct TileMerge {
   const float* tile_lse;  // [segs][BM]
 };
 
-__device__ __forceinline__ void merge_if_last(Smem& sm, const Args& a, const TileMerge& m, int64_t grow0, int valid_rows) {
+template <class S>
+__device__ __forceinline__ void merge_if_last(S& sm, const Args& a, const TileMerge& m, int64_t grow0, int valid_rows) {
   __threadfence();  // this block's partial is visible device-wide before the counter says it is there
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -341,7 +351,7 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
                float* __restrict__ part_lse,            // [segments, BM]
                int* __restrict__ rt_counter) {          // [row tiles] zeros, or null: no fused merge
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  BlockSmem& sm = *reinterpret_cast<BlockSmem*>(smem_raw + (SMEM_ALIGN ? (SMEM_ALIGN - smem_addr(smem_raw) % SMEM_ALIGN) % SMEM_ALIGN : 0));
   const Args a{q, kv_buffer, qo_indptr, kv_indptr, kv_indices, prefix_lens, tree_mask, mask_words, num_heads,
                sm_scale, logit_cap, o, lse};
   const int c = blockIdx.x;
@@ -363,7 +373,13 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
       out_lse = part_lse + slot * VMLA_BM;
       if (rt_counter != nullptr) merge = {rt_counter + rt, segments, part_o + base * VMLA_BM * VMLA_VDIM, part_lse + base * VMLA_BM};
     }
+#if VMLA_WGMMA
+    vmla_wg::verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, [&](int64_t grow0, int valid_rows) {
+      if (out_o != nullptr && merge.counter != nullptr) merge_if_last(sm, a, merge, grow0, valid_rows);
+    });
+#else
     verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge);
+#endif
     u = seg_end;
   }
 }

@@ -9,6 +9,7 @@
 // NVRTC has no <stdint.h>
 using uint32_t = unsigned int;
 using int64_t = long long;
+using uint64_t = unsigned long long;
 
 namespace vmla {
 
@@ -103,8 +104,8 @@ __device__ __forceinline__ float exp2_(float x) {
 // COLS keys touch at most two mask words, each read once; a thread of prefix keys reads none.
 template <int COLS>
 __device__ __forceinline__ uint32_t visible_keys(const Args& a, int key0, int k_end, int prefix, bool row_valid, int token) {
-  static_assert(COLS < 32, "a thread's keys fit one word of bits");
-  constexpr uint32_t ALL = (1u << COLS) - 1u;
+  static_assert(COLS <= 32, "a thread's keys fit one word of bits");
+  constexpr uint32_t ALL = COLS == 32 ? 0xffffffffu : (1u << (COLS % 32)) - 1u;
   const int live = k_end - key0;  // keys below k_end
   uint32_t bits = live >= COLS ? ALL : live <= 0 ? 0u : (1u << live) - 1u;
   const int j0 = key0 - prefix;  // draft index of the first key (< 0: it is a prefix key)

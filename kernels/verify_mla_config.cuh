@@ -29,6 +29,9 @@
 #ifndef VMLA_KHALVES
 #define VMLA_KHALVES 2    // ... and the BN keys in parts (DSLICES x RGROUPS x KHALVES = WARPS)
 #endif
+#ifndef VMLA_WGMMA
+#define VMLA_WGMMA 0      // 1: the Hopper warpgroup-MMA segment (verify_mla_wgmma.cuh; sm_90a only, BM 64)
+#endif
 #ifndef VMLA_KPASSES
 #define VMLA_KPASSES 1    // QK of a warp's keys in this many passes (fewer live score registers)
 #endif

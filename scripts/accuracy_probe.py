@@ -25,6 +25,7 @@ VARIANTS = {
     "bm32": (KernelConfig(), {}),
     "bm32 tau8": (KernelConfig(extra=(("VMLA_RESCALE_TAU", 8),)), {}),
     "bm64 fast exp": (dataclasses.replace(BM64, extra=(("VMLA_FAST_EXP", 1),)), {}),
+    "wgmma": (KernelConfig.for_arch("sm_90a"), {}),
 }
 
 for path in sorted(Path("data/captured_batches").glob("*.safetensors")):

@@ -4,6 +4,7 @@ Usage: python3 scripts/variants.py [--cases substring ...]   (needs a GPU; print
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -45,6 +46,12 @@ VARIANTS = {
     "bm32_bn64": (KernelConfig(bn=64, kpasses=2), {}),
     "bm32_bn64_k1": (KernelConfig(bn=64), {}),
     "bm32_bn64_qsmem": (KernelConfig(bn=64, kpasses=2, q_smem=True), {}),
+    # deeper cp.async rings at BM 32 (sm_90's shared memory only): more time for cold (HBM) pool rows to land
+    "bm32_s3": (KernelConfig(stages=3), {}),
+    "bm32_s4": (KernelConfig(stages=4), {}),
+    # the Hopper path: warpgroup MMAs from swizzled shared memory (sm_90a)
+    "wgmma": (KernelConfig.for_arch("sm_90a"), {}),
+    "wgmma_s3": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3), {}),
     # the same kernel with parts of each tile's work left out (wrong output; where does the time go?)
     **{
         f"{bm}_skip_{n}": (KernelConfig(**base, extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})

@@ -1,0 +1,298 @@
+// The Hopper path of verify_mla.cu (VMLA_WGMMA, sm_90a only): one segment of the stream-K walk with warpgroup
+// MMAs reading Q, K and V straight from shared memory, no ldmatrix. sm_120 has no wgmma; it runs the mma.sync
+// path. Same arithmetic contract as that path (fp32 scores and accumulators, bf16 P, online softmax in the log2
+// domain with an exact running max), so the two agree to bf16 rounding, not bit for bit.
+//
+// Block: 64 rows (node, head) x BN = 32 keys per tile, two warpgroups.
+//   QK:  each warpgroup takes half of the 36 k16 steps over the 576 dims (wgmma m64n32k16, A = Q and B = K both
+//        from shared memory), writes its fp32 partial to shared memory and adds the other's: both then hold the
+//        full scores of all 64 rows and run the same softmax on them (registers, 2 rows x 8 keys a thread).
+//   PV:  warpgroup g accumulates output columns [256 g, 256 g + 256) (wgmma m64n256k16, A = P from registers,
+//        B = V from shared memory, N-major): 128 fp32 accumulators a thread.
+// Shared memory holds Q and each K/V stage as 9 "atoms" of 64 dims (128 B a row) in the 128-byte swizzle the
+// tensor cores read (16-byte chunk c of row r at chunk c ^ (r % 8)); the same bytes are K (K-major B operand of
+// QK) and V (N-major B operand of PV).
+#pragma once
+
+namespace vmla_wg {
+using namespace vmla;
+
+constexpr int BM = 64, BN = VMLA_BN, NUM_THREADS = 256;
+constexpr int ATOMS = VMLA_DIM / 64;            // 9 atoms of 64 dims
+constexpr int KSTEPS_PER_WG = KSTEPS / 2;       // 18 k16 steps of QK per warpgroup
+constexpr int NT = BN / 8;                      // n8 tiles of keys in a score tile
+constexpr int PV_N = VMLA_VDIM / 2;             // output columns per warpgroup
+constexpr int SX_STRIDE = BN + 8;               // fp32 per row of a partial-score buffer (2-way bank conflicts)
+constexpr int SLOT_AHEAD = 2 * VMLA_STAGES - 2, IDX_RING = 2 * VMLA_STAGES;
+static_assert(BN == 32, "the score fragments, the mask word and the PV k-steps assume 32-key tiles");
+static_assert(VMLA_BM == 64 && VMLA_WARPS == 8, "the wgmma path is 64 rows, two warpgroups");
+
+struct Smem {
+  __nv_bfloat16 q[ATOMS][BM][64];               // 1024-byte aligned atoms (the block's base is)
+  __nv_bfloat16 kv[VMLA_STAGES][ATOMS][BN][64];
+  float s[2][BM][SX_STRIDE];                    // each warpgroup's partial scores (then the fused merge's weights)
+  int idx[IDX_RING][BN];
+  int flag[4];
+};
+static_assert(sizeof(Smem::q) % 1024 == 0 && sizeof(Smem::kv[0]) % 1024 == 0, "atoms stay 1024-byte aligned");
+
+// Shared-memory matrix descriptor: start address, leading / stride byte offsets, 128-byte swizzle.
+__device__ __forceinline__ uint64_t desc(const void* p, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((smem_addr(p) & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// cp.async writes (generic proxy) visible to the tensor cores' reads (async proxy); before the barrier.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// s (+)= A B^T over one k16 step: A = 64 x 16 (desc), B = 32 x 16 (desc), both K-major.
+__device__ __forceinline__ void wgmma_qk(float (&s)[NT][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]), "+f"(s[1][2]),
+        "+f"(s[1][3]), "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]), "+f"(s[3][0]), "+f"(s[3][1]),
+        "+f"(s[3][2]), "+f"(s[3][3])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// acc += P V over one k16 step of keys: P = 64 x 16 from registers (mma.sync A-fragment layout), V = 16 keys x
+// 256 columns (desc, N-major).
+#define VMLA_ACC8(i) "+f"(acc[i][0]), "+f"(acc[i][1]), "+f"(acc[i][2]), "+f"(acc[i][3]), \
+  "+f"(acc[i + 1][0]), "+f"(acc[i + 1][1]), "+f"(acc[i + 1][2]), "+f"(acc[i + 1][3])
+__device__ __forceinline__ void wgmma_pv(float (&acc)[PV_N / 8][4], const uint32_t (&pa)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,"
+      "%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,"
+      "%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,"
+      "%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,"
+      "%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, "
+      "{%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
+      : VMLA_ACC8(0), VMLA_ACC8(2), VMLA_ACC8(4), VMLA_ACC8(6), VMLA_ACC8(8), VMLA_ACC8(10), VMLA_ACC8(12),
+        VMLA_ACC8(14), VMLA_ACC8(16), VMLA_ACC8(18), VMLA_ACC8(20), VMLA_ACC8(22), VMLA_ACC8(24), VMLA_ACC8(26),
+        VMLA_ACC8(28), VMLA_ACC8(30)
+      : "r"(pa[0]), "r"(pa[1]), "r"(pa[2]), "r"(pa[3]), "l"(db));
+}
+#undef VMLA_ACC8
+
+// Copy ROWS rows of 576 bf16 into swizzled atoms (dst = atom 0 of ROWS rows; atom a at dst + a * ROWS * 64):
+// NUM_THREADS / ROWS threads a row, 16-byte cp.async each; rows where row_src is null are zero-filled.
+template <int ROWS, class RowSrc>
+__device__ __forceinline__ void gather_swizzled(__nv_bfloat16* dst, RowSrc row_src, const __nv_bfloat16* fallback) {
+  constexpr int TPR = NUM_THREADS / ROWS, CHUNKS = VMLA_DIM / 8;
+  static_assert(NUM_THREADS % ROWS == 0 && CHUNKS % TPR == 0, "rows split evenly over the threads");
+  const int r = threadIdx.x / TPR, j = threadIdx.x % TPR;
+  const __nv_bfloat16* src = row_src(r);
+#pragma unroll
+  for (int i = 0; i < CHUNKS / TPR; ++i) {
+    const int c = j + i * TPR, atom = c / 8, cc = c % 8;
+    cp_async_16(dst + (atom * ROWS + r) * 64 + ((cc ^ (r % 8)) * 8), src != nullptr ? src + c * 8 : fallback, src != nullptr);
+  }
+}
+
+__device__ __forceinline__ void load_tile_slots(Smem& sm, int slot, const int* __restrict__ kv_idx, int k0, int k_end) {
+  if (threadIdx.x < BN) {
+    const int key = k0 + threadIdx.x;
+    cp_async_4(&sm.idx[slot][threadIdx.x], key < k_end ? kv_idx + key : kv_idx, key < k_end);
+  }
+}
+
+__device__ __forceinline__ void load_kv_tile(Smem& sm, int stage, int slot, const __nv_bfloat16* __restrict__ kv_buffer,
+                                             int k0, int k_end) {
+  gather_swizzled<BN>(&sm.kv[stage][0][0][0], [&](int r) {
+    return k0 + r < k_end ? kv_buffer + static_cast<int64_t>(sm.idx[slot][r]) * VMLA_DIM : nullptr;
+  }, kv_buffer);
+}
+
+// One row's softmax step on a thread's 8 scores of it (keys 8 j + 2 t + e of the tile, j < 4, e < 2; the
+// row's 4 threads are adjacent lanes): scale, cap, mask (bit c of vis: key k0 + c visible), online max and sum.
+// x becomes p; returns alpha. l is this thread's share of the row's sum (the 4 shares are added at the end).
+__device__ __forceinline__ float softmax_row(RowState& st, float* x, uint32_t vis, const Args& a, int tig) {
+  if (a.logit_cap > 0.f) {  // a uniform branch: without it every score would pay for tanhf
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = a.logit_cap * tanhf(x[i] * a.sm_scale / a.logit_cap) * LOG2E;
+  } else {
+    const float scale_log2 = a.sm_scale * LOG2E;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] *= scale_log2;
+  }
+  float tile_max = VMLA_NEG_INF;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int c = (i / 2) * 8 + tig * 2 + (i % 2);
+    if (!((vis >> c) & 1u)) x[i] = VMLA_NEG_INF;
+    tile_max = fmaxf(tile_max, x[i]);
+  }
+  tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+  tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+  const bool grow = tile_max > st.m;
+  const float m_new = grow ? tile_max : st.m;
+  const float m_use = m_new == VMLA_NEG_INF ? 0.f : m_new;
+  const float alpha = grow ? exp2_(st.m - m_use) : 1.f;
+  float psum = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    x[i] = exp2_(x[i] - m_use);
+    psum += x[i];
+  }
+  st.l = st.l * alpha + psum;
+  st.m = m_new;
+  return alpha;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// One segment: rows [row0, row0 + 64) of request b against its keys [k_begin, k_end). Writes o/lse (out_o null)
+// or the fp32 partial out_o[64][512], out_lse[64] normalised by its own sum.
+template <class Merge>
+__device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
+                                               float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
+  const int num_heads = a.num_heads;
+  const int q0 = a.qo_indptr[b];
+  const int rows = (a.qo_indptr[b + 1] - q0) * num_heads;
+  const int prefix = a.prefix_lens[b];
+  const int* kv_idx = a.kv_indices + a.kv_indptr[b];
+  const int64_t grow0 = static_cast<int64_t>(q0) * num_heads + row0;
+  const int valid_rows = rows - row0;
+  const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4, tig = lane % 4;
+  const int num_tiles = (k_end - k_begin + BN - 1) / BN;
+
+  gather_swizzled<BM>(&sm.q[0][0][0], [&](int r) { return row0 + r < rows ? a.q + (grow0 + r) * VMLA_DIM : nullptr; }, a.q);
+#pragma unroll
+  for (int j = 0; j < SLOT_AHEAD; ++j) load_tile_slots(sm, j, kv_idx, k_begin + j * BN, k_end);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();  // slot ids of the first tiles in shared memory (Q may still be landing: see the loop)
+#pragma unroll
+  for (int j = 0; j < VMLA_STAGES - 1; ++j) {
+    if (j < num_tiles) load_kv_tile(sm, j, j, a.kv_buffer, k_begin + j * BN, k_end);
+    cp_async_commit();
+  }
+
+  // this thread's two rows (tile rows r_lo, r_lo + 8) and their tokens
+  const int r_lo = warp * 16 + g;
+  int token[2];
+  bool valid[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    valid[h] = r_lo + 8 * h < valid_rows;
+    token[h] = q0 + (valid[h] ? (row0 + r_lo + 8 * h) / num_heads : 0);
+  }
+  RowState st[2];
+  float acc[PV_N / 8][4];
+#pragma unroll
+  for (int i = 0; i < PV_N / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+
+  for (int t = 0; t < num_tiles; ++t) {
+    const int stage = t % VMLA_STAGES;
+    const int k0 = k_begin + t * BN;
+    cp_async_wait<VMLA_STAGES - 2>();
+    fence_async_smem();
+    __syncthreads();  // tile t (and Q) visible to the tensor cores; every warpgroup is past P.V of tile t-1
+    {
+      const int ahead = t + VMLA_STAGES - 1;
+      if (ahead < num_tiles) load_kv_tile(sm, ahead % VMLA_STAGES, ahead % IDX_RING, a.kv_buffer, k_begin + ahead * BN, k_end);
+      load_tile_slots(sm, (t + SLOT_AHEAD) % IDX_RING, kv_idx, k_begin + (t + SLOT_AHEAD) * BN, k_end);
+      cp_async_commit();
+    }
+    // ---- QK: this warpgroup's 18 k-steps ----
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    wg_fence();
+#pragma unroll
+    for (int i = 0; i < KSTEPS_PER_WG; ++i) {
+      const int ks = wg * KSTEPS_PER_WG + i, atom = ks / 4, koff = (ks % 4) * 16;
+      wgmma_qk(s, desc(&sm.q[atom][0][koff], 16, 1024), desc(&sm.kv[stage][atom][0][koff], 16, 1024), i > 0);
+    }
+    wg_commit();
+    wg_wait0();
+    // ---- exchange partial scores: both warpgroups get the full sum (part 0 + part 1, the same bits) ----
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      *reinterpret_cast<float2*>(&sm.s[wg][r_lo][j * 8 + tig * 2]) = make_float2(s[j][0], s[j][1]);
+      *reinterpret_cast<float2*>(&sm.s[wg][r_lo + 8][j * 8 + tig * 2]) = make_float2(s[j][2], s[j][3]);
+    }
+    __syncthreads();
+    float x[2][8];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float2 o0 = *reinterpret_cast<const float2*>(&sm.s[0][r_lo + 8 * h][j * 8 + tig * 2]);
+        const float2 o1 = *reinterpret_cast<const float2*>(&sm.s[1][r_lo + 8 * h][j * 8 + tig * 2]);
+        x[h][j * 2] = o0.x + o1.x;
+        x[h][j * 2 + 1] = o0.y + o1.y;
+      }
+    // ---- softmax on the fragments; P to A fragments; rescale ----
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      alpha[h] = softmax_row(st[h], x[h], visible_keys<BN>(a, k0, k_end, prefix, valid[h], token[h]), a, tig);
+    if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+      for (int i = 0; i < PV_N / 8; ++i) {
+        acc[i][0] *= alpha[0]; acc[i][1] *= alpha[0];
+        acc[i][2] *= alpha[1]; acc[i][3] *= alpha[1];
+      }
+    }
+    uint32_t pa[2][4];
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      pa[kk][0] = pack_bf16(x[0][4 * kk], x[0][4 * kk + 1]);
+      pa[kk][1] = pack_bf16(x[1][4 * kk], x[1][4 * kk + 1]);
+      pa[kk][2] = pack_bf16(x[0][4 * kk + 2], x[0][4 * kk + 3]);
+      pa[kk][3] = pack_bf16(x[1][4 * kk + 2], x[1][4 * kk + 3]);
+    }
+    // ---- PV: this warpgroup's 256 columns ----
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+      wgmma_pv(acc, pa[kk], desc(&sm.kv[stage][wg * 4][kk * 16][0], BN * 128, 1024));
+    wg_commit();
+    wg_wait0();
+  }
+
+  // ---- epilogue: the row sums (4 shares), o or the partial, lse ----
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    st[h].l += __shfl_xor_sync(0xffffffffu, st[h].l, 1);
+    st[h].l += __shfl_xor_sync(0xffffffffu, st[h].l, 2);
+    const int r = r_lo + 8 * h;
+    if (wg == 0 && tig == 0) {
+      if (valid[h]) {
+        if (out_o == nullptr) {
+          if (a.lse != nullptr) a.lse[grow0 + r] = row_lse(st[h]);
+        } else {
+          out_lse[r] = row_lse(st[h]);
+        }
+      }
+    }
+    if (!valid[h]) continue;
+    const float inv = st[h].l > 0.f ? 1.f / st[h].l : 0.f;
+#pragma unroll
+    for (int i = 0; i < PV_N / 8; ++i) {
+      const int c = wg * PV_N + i * 8 + tig * 2;
+      const float v0 = acc[i][2 * h] * inv, v1 = acc[i][2 * h + 1] * inv;
+      if (out_o == nullptr) {
+        *reinterpret_cast<__nv_bfloat162*>(&a.o[(grow0 + r) * VMLA_VDIM + c]) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        *reinterpret_cast<float2*>(&out_o[r * VMLA_VDIM + c]) = make_float2(v0, v1);
+      }
+    }
+  }
+  merge(grow0, valid_rows);
+  cp_async_wait_all();
+  __syncthreads();
+}
+
+}  // namespace vmla_wg
