@@ -94,9 +94,11 @@ class KernelConfig:
     @classmethod
     def for_arch(cls, arch: str) -> "KernelConfig":
         """sm_120-class parts (101,376 B of shared memory per block): 32 rows per block with Q in registers.
-        Parts with ~227 KB (sm_90, sm_100): 64 rows per block with Q in shared memory, which halves the
-        pool bytes each block pulls from L2 per FLOP (v2 measured the 32-row kernel L2-bound on an H200)."""
-        if arch == "sm_90a":
+        Hopper (sm_90, compiled as sm_90a): the warpgroup-MMA segment, 64 rows (25 % faster than mma.sync at
+        64 rows on the H200's long cases). Other parts with ~227 KB (sm_100): 64 rows per block with Q in
+        shared memory, which halves the pool bytes each block pulls from L2 per FLOP (v2 measured the
+        32-row kernel L2-bound on an H200)."""
+        if arch in ("sm_90", "sm_90a"):
             return cls(bm=64, rgroups=2, khalves=1, q_smem=True, wgmma=True)
         if ARCH_LIMITS.get(arch, {}).get("smem_per_block", 0) >= 200_000:
             return cls(bm=64, rgroups=2, khalves=1, q_smem=True)
@@ -105,9 +107,10 @@ class KernelConfig:
     @classmethod
     def candidates(cls, arch: str) -> tuple["KernelConfig", ...]:
         """The configurations `choose_plan` picks from on this target, the default first: parts with ~227 KB
-        also have the 32-row kernel, which wins on small batches of short trees (fewer padding rows)."""
+        also have the 32-row kernel, which wins on small batches of short trees (fewer padding rows).
+        "sm_90a" names the wgmma segment alone (KDTREE_KERNEL_TARGET=sm_90a: tests and experiments)."""
         first = cls.for_arch(arch)
-        return (first,) if first == cls() else (first, cls())
+        return (first,) if first == cls() or arch == "sm_90a" else (first, cls())
 
     def defines(self) -> dict[str, int]:
         return dict(self.extra) | {
@@ -254,6 +257,11 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
+def nvrtc_arch(arch: str, config: KernelConfig) -> str:
+    """The -arch NVRTC needs: the wgmma segment is sm_90a code (Hopper's architecture-specific features)."""
+    return "sm_90a" if config.wgmma and arch == "sm_90" else arch
+
+
 def nvrtc_compile(arch: str, config: KernelConfig | None = None, extra: tuple[str, ...] = (), source: Path = SOURCE) -> tuple[bytes, str]:
     """(cubin, log) of kernels/verify_mla.cu (or `source`) for `arch`, through NVRTC (cuda-bindings)."""
     try:
@@ -263,7 +271,7 @@ def nvrtc_compile(arch: str, config: KernelConfig | None = None, extra: tuple[st
     config = config or KernelConfig.for_arch(arch)
     src = source.read_bytes()
     err, prog = nvrtc.nvrtcCreateProgram(src, source.name.encode(), 0, [], [])
-    opts = [f"-arch={arch}", "--ptxas-options=-v", *compile_options(config, extra, source)]
+    opts = [f"-arch={nvrtc_arch(arch, config)}", "--ptxas-options=-v", *compile_options(config, extra, source)]
     opts += [f"-I{d}" for d in _nvrtc_include_dirs()]
     (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
     _, n = nvrtc.nvrtcGetProgramLogSize(prog)
@@ -317,7 +325,7 @@ def compile_report(arch: str, config: KernelConfig | None = None) -> list[Kernel
     """Resources of every kernel for `arch`, with the configuration that target runs (or `config`)."""
     config = config or KernelConfig.for_arch(arch)
     _, log = nvrtc_compile(arch, config)
-    return parse_ptxas(log, arch, config)
+    return parse_ptxas(log, nvrtc_arch(arch, config), config)
 
 
 # ----- launch planning (host side, outside the launch path) --------------------------------------
@@ -406,16 +414,19 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
     )
 
 
-# Relative time of one (row tile, key tile) unit by BM, and of a segment (prologue, pipeline fill, partial
-# store and merge; about proportional to BM), in units of a BM-64 unit. Fitted to the H200's same-run BM 32 /
-# BM 64 ratios (docs/kernel-notes.md, v7: small tree 0.88, 4k 0.91, 8k x8 1.05, dsv3 1.10, 32k x4 1.24).
-UNIT_COST = {64: 1.0, 32: 0.6}
-SEGMENT_COST_PER_ROW = 8.5 / 64
+# Relative time of one (row tile, key tile) unit, by kind of segment, and of a segment (prologue, pipeline fill,
+# partial store and merge; about proportional to BM), in units of a wgmma unit. Least-squares fit of
+# time = units * u + segments * s per configuration to the eight bench cases of one H200 run
+# (docs/bench/v8-experiments-h200.log, run 6): u(BM 32) / u(wgmma) = 0.86, s / u = 19.2 at BM 64 and 10.5 at
+# BM 32 (0.30 and 0.33 a row); mma.sync at BM 64 measured 1.30-1.34x the wgmma time on the long cases.
+UNIT_COST = {"wgmma64": 1.0, "mma64": 1.33, "mma32": 0.86}
+SEGMENT_COST_PER_ROW = 0.3
 
 
 def estimated_cost(p: LaunchPlan) -> float:
-    """A plan's time per block in BM-64 units (for choosing between configurations, not a prediction in ms)."""
-    unit = UNIT_COST.get(p.config.bm, p.config.bm / 64)
+    """A plan's time per block in wgmma units (for choosing between configurations, not a prediction in ms)."""
+    kind = f"{'wgmma' if p.config.wgmma else 'mma'}{p.config.bm}"
+    unit = UNIT_COST.get(kind, p.config.bm / 64 * UNIT_COST["mma64"])
     return (p.units * unit + p.segments * SEGMENT_COST_PER_ROW * p.config.bm) / p.grid
 
 

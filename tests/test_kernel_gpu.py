@@ -171,7 +171,7 @@ def test_fused_merge_gives_the_merge_kernels_bits(target):
         assert torch.equal(o.view(torch.int16), first.view(torch.int16))
 
 
-@pytest.mark.parametrize("target", [None, "sm_120"], ids=["this-gpu", "sm_120-config"])
+@pytest.mark.parametrize("target", ["sm_100", "sm_120"], ids=["bm64-mma.sync", "sm_120-config"])
 def test_restructured_loops_give_the_same_bits(target):
     """Switches that reorganise work without changing any sum's order must not change the output by a bit: the
     tree mask read key by key (VMLA_FAST_MASK=0, the default reads it as one bit word per thread), P.V in
@@ -181,7 +181,7 @@ def test_restructured_loops_give_the_same_bits(target):
 
     from kdtree.kernel import KernelConfig, VerifyKernel
 
-    base = KernelConfig.for_arch(target) if target else VerifyKernel.get().config
+    base = KernelConfig.for_arch(target)  # the mma.sync path at 64 rows (what sm_100 runs) and at 32 rows
     others = [dataclasses.replace(base, extra=(("VMLA_FAST_MASK", 0),)), dataclasses.replace(base, extra=(("VMLA_PV_GROUP", 4),))]
     if (base.bn // base.khalves // 8) % 4 == 0:
         others.append(dataclasses.replace(base, kpasses=2))
@@ -197,13 +197,17 @@ def test_restructured_loops_give_the_same_bits(target):
 
 
 @pytest.mark.parametrize("seed", range(0, 200, 4))
-def test_lockstep_kernel_sm120_configuration(monkeypatch, seed):
-    """The kernel sm_120 runs (verify_mla.cu, 32 rows, Q in registers, < 99 KB) also runs here: every shipped
+@pytest.mark.parametrize("target", ["sm_120", "sm_90a"])
+def test_one_configuration_alone(monkeypatch, target, seed):
+    """Each configuration on every batch, not only those the cost model gives it: the kernel sm_120 runs
+    (mma.sync, 32 rows, Q in registers, < 99 KB) and, on Hopper, the wgmma segment (64 rows) - every shipped
     capture (seed 0) and every fourth fuzz batch."""
-    monkeypatch.setenv("KDTREE_KERNEL_TARGET", "sm_120")
-    from kdtree.kernel import KernelConfig, VerifyKernel
+    from kdtree.kernel import KernelConfig, VerifyKernel, device_arch
 
-    assert VerifyKernel.get().config == KernelConfig.for_arch("sm_120")
+    if target == "sm_90a" and device_arch() != "sm_90":
+        pytest.skip(f"the wgmma segment needs Hopper (sm_90), this GPU is {device_arch()}")
+    monkeypatch.setenv("KDTREE_KERNEL_TARGET", target)
+    assert VerifyKernel.get().configs == (KernelConfig.for_arch(target),)
     if seed == 0:
         for path in SHIPPED:
             cap = load(path)
