@@ -368,8 +368,8 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
          fused_merge: bool | None = None) -> LaunchPlan:
     """Cut the batch into row tiles x key tiles and share the units equally among one block per SM (a request's
     last row tile costs about as much per unit as a full one, measured: weighting it lighter was slower).
-    `fused_merge` (default: when no tile is split into more than FUSED_MERGE_SEGS partials) lets the kernel
-    merge split tiles itself instead of launching verify_mla_merge."""
+    `fused_merge` (default: when no tile is split into more than FUSED_MERGE_SEGS partials, on the mma.sync
+    paths) lets the kernel merge split tiles itself instead of launching verify_mla_merge."""
     n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
     kv = (args.combined_kv_indptr[1:] - args.combined_kv_indptr[:-1]).numpy().astype(np.int64)
     row_tiles = -(-n * num_heads // config.bm)
@@ -385,8 +385,8 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
     rt_last_cta = np.searchsorted(cta_unit_start, rt_unit_start[1:] - 1, side="right") - 1
     segs = rt_last_cta - rt_first_cta + 1
     rt_seg_base = np.concatenate([[0], np.cumsum(np.where(segs > 1, segs, 0))])
-    if fused_merge is None:
-        fused_merge = bool(segs.max() <= FUSED_MERGE_SEGS)
+    if fused_merge is None:  # not for the wgmma segment: its merge kernel was 6 % faster on the small tree (run 7)
+        fused_merge = bool(segs.max() <= FUSED_MERGE_SEGS) and not config.wgmma
     elif fused_merge and segs.max() > FUSED_MERGE_SEGS:
         raise ValueError(f"fused merge takes tiles of at most {FUSED_MERGE_SEGS} partials; this plan splits one into {segs.max()}")
     req_rt_base = np.concatenate([[0], np.cumsum(row_tiles)])

@@ -52,6 +52,8 @@ VARIANTS = {
     # the Hopper path: warpgroup MMAs from swizzled shared memory (sm_90a)
     "wgmma": (KernelConfig.for_arch("sm_90a"), {}),
     "wgmma_s3": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3), {}),
+    "wgmma_merge_kernel": (KernelConfig.for_arch("sm_90a"), {"fused_merge": False}),
+    "wgmma_fused": (KernelConfig.for_arch("sm_90a"), {"fused_merge": True}),
     # the same kernel with parts of each tile's work left out (wrong output; where does the time go?)
     **{
         f"{bm}_skip_{n}": (KernelConfig(**base, extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})

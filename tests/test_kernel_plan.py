@@ -64,13 +64,16 @@ def test_every_work_unit_is_done_once_and_shares_are_equal(cap, config, num_sms)
 
 
 @pytest.mark.parametrize("cap", CASES, ids=lambda c: f"bs{c.batch_size}-N{int(c.num_draft.max())}")
-def test_fused_merge_only_for_short_splits(cap):
+@pytest.mark.parametrize("arch", ["sm_100", "sm_90"], ids=["bm64-mma.sync", "wgmma"])
+def test_fused_merge_only_for_short_splits(cap, arch):
+    """By default the mma.sync paths merge short splits in the kernel, the wgmma segment never does; asking
+    for a fused merge of a tile split more than FUSED_MERGE_SEGS ways is refused."""
     args = marshal(cap)
-    config = KernelConfig.for_arch("sm_90")
+    config = KernelConfig.for_arch(arch)
     for num_sms in (7, 132, 188):
         p = plan(args, cap.meta.num_heads, num_sms, config)
         segs = np.diff(p.arrays["rt_seg_base"].numpy())
-        assert p.fused_merge == (p.segments > 0 and segs.max() <= FUSED_MERGE_SEGS)
+        assert p.fused_merge == (p.segments > 0 and segs.max() <= FUSED_MERGE_SEGS and not config.wgmma)
         if segs.max() > FUSED_MERGE_SEGS:
             with pytest.raises(ValueError, match="fused merge"):
                 plan(args, cap.meta.num_heads, num_sms, config, fused_merge=True)
