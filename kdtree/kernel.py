@@ -89,6 +89,8 @@ class KernelConfig:
     kpasses: int = 1  # QK of a warp's keys in this many passes (fewer live score registers)
     blocks_per_sm: int = 1  # resident blocks per SM: the persistent grid is this many per SM
     wgmma: bool = False  # the Hopper segment (warpgroup MMAs from swizzled shared memory; sm_90a, BM 64)
+    wg_pipe: int = 0  # wgmma segment: 1 = QK of tile t and P V of tile t-1 in flight together (3 stages),
+    # 2 = the same with P through shared memory
     extra: tuple[tuple[str, int], ...] = ()  # more -D switches (timing experiments)
 
     @classmethod
@@ -99,7 +101,7 @@ class KernelConfig:
         shared memory, which halves the pool bytes each block pulls from L2 per FLOP (v2 measured the
         32-row kernel L2-bound on an H200)."""
         if arch in ("sm_90", "sm_90a"):
-            return cls(bm=64, rgroups=2, khalves=1, q_smem=True, wgmma=True)
+            return cls(bm=64, rgroups=2, khalves=1, q_smem=True, wgmma=True, stages=3, wg_pipe=1)
         if ARCH_LIMITS.get(arch, {}).get("smem_per_block", 0) >= 200_000:
             return cls(bm=64, rgroups=2, khalves=1, q_smem=True)
         return cls()
@@ -125,6 +127,7 @@ class KernelConfig:
             "VMLA_KPASSES": self.kpasses,
             "VMLA_BLOCKS_PER_SM": self.blocks_per_sm,
             "VMLA_WGMMA": int(self.wgmma),
+            "VMLA_WG_PIPE": self.wg_pipe,
             "VMLA_FUSED_MERGE_SEGS": FUSED_MERGE_SEGS,  # the plan's bound, so the two cannot disagree
         }
 
@@ -135,9 +138,10 @@ class KernelConfig:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory of verify_mla_fwd: sizeof(Smem) in the .cu."""
-        if self.wgmma:  # verify_mla_wgmma.cuh: Q and the stages as unpadded swizzled rows, two partial-score
-            # buffers, the slot-id ring, a flag; + 1024 B to align the atoms
-            return 64 * 576 * 2 + self.stages * self.bn * 576 * 2 + 2 * 64 * (self.bn + 8) * 4 + 2 * self.stages * self.bn * 4 + 16 + 1024
+        if self.wgmma:  # verify_mla_wgmma.cuh: Q and the stages as unpadded swizzled rows, two P tiles, two
+            # partial-score buffers, the slot-id ring, a flag; + 1024 B to align the atoms
+            return (64 * 576 * 2 + self.stages * self.bn * 576 * 2 + 2 * 64 * self.bn * 2 + 2 * 64 * (self.bn + 8) * 4
+                    + 2 * self.stages * self.bn * 4 + 16 + 1024)
         row = (576 + 8) * 2  # a pool row or Q row, padded by 16 B
         q = self.bm * row if self.q_smem else 0
         kv = self.stages * self.bn * row

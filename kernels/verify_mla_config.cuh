@@ -32,6 +32,9 @@
 #ifndef VMLA_WGMMA
 #define VMLA_WGMMA 0      // 1: the Hopper warpgroup-MMA segment (verify_mla_wgmma.cuh; sm_90a only, BM 64)
 #endif
+#ifndef VMLA_WG_PIPE
+#define VMLA_WG_PIPE 0    // wgmma body: QK of tile t and P V of tile t-1 in flight together (3 stages)
+#endif
 #ifndef VMLA_KPASSES
 #define VMLA_KPASSES 1    // QK of a warp's keys in this many passes (fewer live score registers)
 #endif

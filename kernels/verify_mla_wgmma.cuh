@@ -23,13 +23,18 @@ constexpr int KSTEPS_PER_WG = KSTEPS / 2;       // 18 k16 steps of QK per warpgr
 constexpr int NT = BN / 8;                      // n8 tiles of keys in a score tile
 constexpr int PV_N = VMLA_VDIM / 2;             // output columns per warpgroup
 constexpr int SX_STRIDE = BN + 8;               // fp32 per row of a partial-score buffer (2-way bank conflicts)
-constexpr int SLOT_AHEAD = 2 * VMLA_STAGES - 2, IDX_RING = 2 * VMLA_STAGES;
+// Rows of tile t + LOAD_AHEAD are requested at tile t (the pipelined loop keeps one more stage for the P V in
+// flight); their slot ids SLOT_AHEAD tiles ahead, so they have landed by then.
+constexpr int LOAD_AHEAD = VMLA_STAGES - 1 - (VMLA_WG_PIPE ? 1 : 0);
+constexpr int SLOT_AHEAD = 2 * LOAD_AHEAD, IDX_RING = 2 * VMLA_STAGES;
+static_assert(LOAD_AHEAD >= 1, "the pipelined loop needs 3 stages");
 static_assert(BN == 32, "the score fragments, the mask word and the PV k-steps assume 32-key tiles");
 static_assert(VMLA_BM == 64 && VMLA_WARPS == 8, "the wgmma path is 64 rows, two warpgroups");
 
 struct Smem {
   __nv_bfloat16 q[ATOMS][BM][64];               // 1024-byte aligned atoms (the block's base is)
   __nv_bfloat16 kv[VMLA_STAGES][ATOMS][BN][64];
+  __nv_bfloat16 p[2][BM][BN];                   // P of two tiles, 64-byte swizzle (VMLA_WG_PIPE 2)
   float s[2][BM][SX_STRIDE];                    // each warpgroup's partial scores (then the fused merge's weights)
   int idx[IDX_RING][BN];
   int flag[4];
@@ -37,14 +42,36 @@ struct Smem {
 static_assert(sizeof(Smem::q) % 1024 == 0 && sizeof(Smem::kv[0]) % 1024 == 0, "atoms stay 1024-byte aligned");
 
 // Shared-memory matrix descriptor: start address, leading / stride byte offsets, 128-byte swizzle.
-__device__ __forceinline__ uint64_t desc(const void* p, uint32_t lbo, uint32_t sbo) {
+// (swizzle: 1 = 128-byte, 2 = 64-byte)
+__device__ __forceinline__ uint64_t desc(const void* p, uint32_t lbo, uint32_t sbo, uint64_t swizzle = 1) {
   return static_cast<uint64_t>((smem_addr(p) & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (swizzle << 62);
 }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ uint64_t opaque(uint64_t v) {
+  asm volatile("mov.b64 %0, %0;\n" : "+l"(v));
+  return v;
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Registers an in-flight wgmma reads or writes: keep the compiler from moving their uses above the wait (or
+// reusing P's registers before it), as if the wait had written them.
+template <int A, int B>
+__device__ __forceinline__ void fence_operands(float (&r)[A][B]) {
+#pragma unroll
+  for (int i = 0; i < A; ++i)
+#pragma unroll
+    for (int j = 0; j < B; ++j) asm volatile("" : "+f"(r[i][j]));
+}
+template <int A, int B>
+__device__ __forceinline__ void fence_operands(uint32_t (&r)[A][B]) {
+#pragma unroll
+  for (int i = 0; i < A; ++i)
+#pragma unroll
+    for (int j = 0; j < B; ++j) asm volatile("" : "+r"(r[i][j]));
+}
 // cp.async writes (generic proxy) visible to the tensor cores' reads (async proxy); before the barrier.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -78,6 +105,22 @@ __device__ __forceinline__ void wgmma_pv(float (&acc)[PV_N / 8][4], const uint32
         VMLA_ACC8(14), VMLA_ACC8(16), VMLA_ACC8(18), VMLA_ACC8(20), VMLA_ACC8(22), VMLA_ACC8(24), VMLA_ACC8(26),
         VMLA_ACC8(28), VMLA_ACC8(30)
       : "r"(pa[0]), "r"(pa[1]), "r"(pa[2]), "r"(pa[3]), "l"(db));
+}
+// The same with P from shared memory (desc, K-major).
+__device__ __forceinline__ void wgmma_pv_ss(float (&acc)[PV_N / 8][4], uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,"
+      "%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,"
+      "%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,"
+      "%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,"
+      "%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, "
+      "%128, %129, p, 1, 1, 0, 1;\n}\n"
+      : VMLA_ACC8(0), VMLA_ACC8(2), VMLA_ACC8(4), VMLA_ACC8(6), VMLA_ACC8(8), VMLA_ACC8(10), VMLA_ACC8(12),
+        VMLA_ACC8(14), VMLA_ACC8(16), VMLA_ACC8(18), VMLA_ACC8(20), VMLA_ACC8(22), VMLA_ACC8(24), VMLA_ACC8(26),
+        VMLA_ACC8(28), VMLA_ACC8(30)
+      : "l"(da), "l"(db));
 }
 #undef VMLA_ACC8
 
@@ -151,6 +194,26 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// This warpgroup's 18 k-steps of S = Q K^T (asynchronous: one commit group). WG is a template argument so
+// every descriptor offset is a constant added to two base descriptors (otherwise the compiler precomputes the
+// 36 64-bit descriptors per thread and holds them in registers).
+template <int WG>
+__device__ __forceinline__ void issue_qk(float (&s)[NT][4], uint64_t dq, uint64_t dk) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+  wg_fence();
+#pragma unroll
+  for (int i = 0; i < KSTEPS_PER_WG; ++i) {
+    const int ks = WG * KSTEPS_PER_WG + i, atom = ks / 4, kbytes = (ks % 4) * 32;
+    wgmma_qk(s, dq + ((atom * BM * 128 + kbytes) >> 4), dk + ((atom * BN * 128 + kbytes) >> 4), i > 0);
+  }
+  wg_commit();
+}
+__device__ __forceinline__ void issue_qk(float (&s)[NT][4], Smem& sm, int stage, int wg) {
+  const uint64_t dq = desc(&sm.q[0][0][0], 16, 1024), dk = desc(&sm.kv[stage][0][0][0], 16, 1024);
+  if (wg == 0) issue_qk<0>(s, dq, dk); else issue_qk<1>(s, dq, dk);
+}
+
 // One segment: rows [row0, row0 + 64) of request b against its keys [k_begin, k_end). Writes o/lse (out_o null)
 // or the fp32 partial out_o[64][512], out_lse[64] normalised by its own sum.
 template <class Merge>
@@ -173,7 +236,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   cp_async_wait_all();
   __syncthreads();  // slot ids of the first tiles in shared memory (Q may still be landing: see the loop)
 #pragma unroll
-  for (int j = 0; j < VMLA_STAGES - 1; ++j) {
+  for (int j = 0; j < LOAD_AHEAD; ++j) {  // one commit group per tile
     if (j < num_tiles) load_kv_tile(sm, j, j, a.kv_buffer, k_begin + j * BN, k_end);
     cp_async_commit();
   }
@@ -192,30 +255,172 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
 #pragma unroll
   for (int i = 0; i < PV_N / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
+#if VMLA_WG_PIPE
+  // ---- the steps of a tile ----
+  // top(t): tile t landed and visible to the tensor cores (and every warpgroup past the steps that read the
+  // stage refilled now), then the rows of tile t + LOAD_AHEAD and the slot ids of tile t + SLOT_AHEAD requested
+  auto top = [&](int t) {
+    cp_async_wait<LOAD_AHEAD - 1>();
+    fence_async_smem();
+    __syncthreads();
+    const int ahead = t + LOAD_AHEAD;
+    if (ahead < num_tiles) load_kv_tile(sm, ahead % VMLA_STAGES, ahead % IDX_RING, a.kv_buffer, k_begin + ahead * BN, k_end);
+    load_tile_slots(sm, (t + SLOT_AHEAD) % IDX_RING, kv_idx, k_begin + (t + SLOT_AHEAD) * BN, k_end);
+    cp_async_commit();
+  };
+  // this warpgroup's 18 k-steps of QK for the tile in `stage` (asynchronous: one commit group)
+  auto issue_qk = [&](float (&s)[NT][4], int stage) { vmla_wg::issue_qk(s, sm, stage, wg); };
+  // P V for this warpgroup's 256 columns over the tile in `stage` (asynchronous: one commit group)
+  [[maybe_unused]] auto issue_pv = [&](const uint32_t (&pa)[2][4], int stage) {
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) wgmma_pv(acc, pa[kk], desc(&sm.kv[stage][wg * 4][kk * 16][0], BN * 128, 1024));
+    wg_commit();
+  };
+  // exchange the partial scores: both warpgroups get the full sum (part 0 + part 1, the same bits)
+  auto scores = [&](const float (&s)[NT][4], float (&x)[2][8]) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      *reinterpret_cast<float2*>(&sm.s[wg][r_lo][j * 8 + tig * 2]) = make_float2(s[j][0], s[j][1]);
+      *reinterpret_cast<float2*>(&sm.s[wg][r_lo + 8][j * 8 + tig * 2]) = make_float2(s[j][2], s[j][3]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float2 o0 = *reinterpret_cast<const float2*>(&sm.s[0][r_lo + 8 * h][j * 8 + tig * 2]);
+        const float2 o1 = *reinterpret_cast<const float2*>(&sm.s[1][r_lo + 8 * h][j * 8 + tig * 2]);
+        x[h][j * 2] = o0.x + o1.x;
+        x[h][j * 2 + 1] = o0.y + o1.y;
+      }
+  };
+  auto softmax = [&](float (&x)[2][8], int t, float (&alpha)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      alpha[h] = softmax_row(st[h], x[h], visible_keys<BN>(a, k_begin + t * BN, k_end, prefix, valid[h], token[h]), a, tig);
+  };
+  auto rescale = [&](const float (&alpha)[2]) {
+    if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+      for (int i = 0; i < PV_N / 8; ++i) {
+        acc[i][0] *= alpha[0]; acc[i][1] *= alpha[0];
+        acc[i][2] *= alpha[1]; acc[i][3] *= alpha[1];
+      }
+    }
+  };
+  [[maybe_unused]] auto pack = [&](const float (&x)[2][8], uint32_t (&pa)[2][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      pa[kk][0] = pack_bf16(x[0][4 * kk], x[0][4 * kk + 1]);
+      pa[kk][1] = pack_bf16(x[1][4 * kk], x[1][4 * kk + 1]);
+      pa[kk][2] = pack_bf16(x[0][4 * kk + 2], x[0][4 * kk + 3]);
+      pa[kk][3] = pack_bf16(x[1][4 * kk + 2], x[1][4 * kk + 3]);
+    }
+  };
+
+  float s[NT][4], x[2][8], alpha[2];
+#if VMLA_WG_PIPE == 1
+  uint32_t pa[2][4];
+#endif
+  // Software pipeline: QK of tile t and P V of tile t-1 are issued together; the exchange and the softmax of
+  // tile t run while P V of tile t-1 is on the tensor cores (its V stays in its stage: 3 stages).
+#if VMLA_WG_PIPE == 2
+  // P through shared memory: no P registers held while P V runs. Each warpgroup writes half the rows (both
+  // hold all of P); top()'s barrier publishes them before the next tile's P V reads them.
+  auto write_p = [&](const float (&x)[2][8], int buf) {
+    if (warp / 2 == wg) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_lo + 8 * h;
+        char* row = reinterpret_cast<char*>(&sm.p[buf][r][0]);
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+          *reinterpret_cast<uint32_t*>(row + ((j ^ ((r >> 1) & 3)) << 4) + tig * 4) = pack_bf16(x[h][2 * j], x[h][2 * j + 1]);
+      }
+    }
+    fence_async_smem();
+  };
+  auto issue_pv_ss = [&](int buf, int stage) {
+    const uint64_t dp = opaque(desc(&sm.p[buf][0][0], 16, 512, 2));
+    const uint64_t dv = opaque(desc(&sm.kv[stage][wg * 4][0][0], BN * 128, 1024));
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) wgmma_pv_ss(acc, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4));
+    wg_commit();
+  };
+  if (num_tiles > 0) {
+    top(0);
+    issue_qk(s, 0);
+    wg_wait<0>();
+    fence_operands(s);
+    scores(s, x);
+    softmax(x, 0, alpha);  // the accumulators are still zero: no rescale
+    write_p(x, 0);
+    for (int t = 1; t < num_tiles; ++t) {
+      top(t);  // P of tile t-1 published; both warpgroups past P V of tile t-2 (its stage and P buffer free)
+      issue_qk(s, t % VMLA_STAGES);
+      issue_pv_ss((t - 1) % 2, (t - 1) % VMLA_STAGES);
+      wg_wait<1>();  // QK of tile t (P V of tile t-1 may still run)
+      fence_operands(s);
+      scores(s, x);
+      softmax(x, t, alpha);
+      wg_wait<0>();  // P V of tile t-1: the accumulators are free again
+      fence_operands(acc);
+      rescale(alpha);
+      write_p(x, t % 2);
+    }
+    __syncthreads();  // P of the last tile from both warpgroups
+    issue_pv_ss((num_tiles - 1) % 2, (num_tiles - 1) % VMLA_STAGES);
+    wg_wait<0>();
+    fence_operands(acc);
+  }
+#else
+  if (num_tiles > 0) {
+    top(0);
+    issue_qk(s, 0);
+    wg_wait<0>();
+    fence_operands(s);
+    scores(s, x);
+    softmax(x, 0, alpha);  // the accumulators are still zero: no rescale
+    pack(x, pa);
+    for (int t = 1; t < num_tiles; ++t) {
+      top(t);  // also: both warpgroups are past the exchange of tile t-1 and P V of tile t-2
+      issue_qk(s, t % VMLA_STAGES);
+      issue_pv(pa, (t - 1) % VMLA_STAGES);
+      wg_wait<1>();  // QK of tile t (P V of tile t-1 may still run)
+      fence_operands(s);
+      scores(s, x);
+      softmax(x, t, alpha);
+      wg_wait<0>();  // P V of tile t-1: the accumulators and P's registers are free again
+      fence_operands(acc);
+      fence_operands(pa);
+      rescale(alpha);
+      pack(x, pa);
+    }
+    issue_pv(pa, (num_tiles - 1) % VMLA_STAGES);
+    wg_wait<0>();
+    fence_operands(acc);
+    fence_operands(pa);
+  }
+#endif
+#else
   for (int t = 0; t < num_tiles; ++t) {
     const int stage = t % VMLA_STAGES;
     const int k0 = k_begin + t * BN;
-    cp_async_wait<VMLA_STAGES - 2>();
+    cp_async_wait<LOAD_AHEAD - 1>();
     fence_async_smem();
     __syncthreads();  // tile t (and Q) visible to the tensor cores; every warpgroup is past P.V of tile t-1
     {
-      const int ahead = t + VMLA_STAGES - 1;
+      const int ahead = t + LOAD_AHEAD;
       if (ahead < num_tiles) load_kv_tile(sm, ahead % VMLA_STAGES, ahead % IDX_RING, a.kv_buffer, k_begin + ahead * BN, k_end);
       load_tile_slots(sm, (t + SLOT_AHEAD) % IDX_RING, kv_idx, k_begin + (t + SLOT_AHEAD) * BN, k_end);
       cp_async_commit();
     }
     // ---- QK: this warpgroup's 18 k-steps ----
     float s[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    wg_fence();
-#pragma unroll
-    for (int i = 0; i < KSTEPS_PER_WG; ++i) {
-      const int ks = wg * KSTEPS_PER_WG + i, atom = ks / 4, koff = (ks % 4) * 16;
-      wgmma_qk(s, desc(&sm.q[atom][0][koff], 16, 1024), desc(&sm.kv[stage][atom][0][koff], 16, 1024), i > 0);
-    }
-    wg_commit();
-    wg_wait0();
+    issue_qk(s, sm, stage, wg);
+    wg_wait<0>();
     // ---- exchange partial scores: both warpgroups get the full sum (part 0 + part 1, the same bits) ----
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
@@ -259,8 +464,9 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     for (int kk = 0; kk < 2; ++kk)
       wgmma_pv(acc, pa[kk], desc(&sm.kv[stage][wg * 4][kk * 16][0], BN * 128, 1024));
     wg_commit();
-    wg_wait0();
+    wg_wait<0>();
   }
+#endif
 
   // ---- epilogue: the row sums (4 shares), o or the partial, lse ----
 #pragma unroll

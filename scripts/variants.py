@@ -51,7 +51,9 @@ VARIANTS = {
     "bm32_s4": (KernelConfig(stages=4), {}),
     # the Hopper path: warpgroup MMAs from swizzled shared memory (sm_90a)
     "wgmma": (KernelConfig.for_arch("sm_90a"), {}),
-    "wgmma_s3": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3), {}),
+    "wgmma_nopipe": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=2, wg_pipe=0), {}),
+    "wgmma_s3": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=0), {}),
+    "wgmma_pipe_p_smem": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=2), {}),
     "wgmma_merge_kernel": (KernelConfig.for_arch("sm_90a"), {"fused_merge": False}),
     "wgmma_fused": (KernelConfig.for_arch("sm_90a"), {"fused_merge": True}),
     # the same kernel with parts of each tile's work left out (wrong output; where does the time go?)
