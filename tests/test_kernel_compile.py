@@ -93,3 +93,13 @@ def test_compile_errors_quote_the_offending_line(kernel_copy):
     msg = str(e.value)
     assert "verify_mla.cu(" in msg and "error" in msg
     assert "| " in msg and "a.qo_indptr[b] +;" in msg  # the source line, quoted under the error
+
+
+@pytest.mark.parametrize("stages,pipe", [(2, 0), (3, 0), (3, 1), (3, 2)], ids=["2-stages", "3-stages", "pipelined", "pipelined-p-smem"])
+def test_wgmma_variants_compile_and_fit(stages, pipe):
+    """The Hopper segment's loop variants (the default is pipelined, 3 stages) compile for sm_90a without spills
+    and within its shared memory; `smem_bytes` is what the launch asks for."""
+    config = dataclasses.replace(KernelConfig.for_arch("sm_90"), stages=stages, wg_pipe=pipe)
+    (fwd,) = [r for r in compile_report("sm_90", config) if r.name == "verify_mla_fwd"]
+    assert fwd.ok and fwd.arch == "sm_90a", fwd.line()
+    assert fwd.dynamic_smem == config.smem_bytes

@@ -171,20 +171,26 @@ def test_fused_merge_gives_the_merge_kernels_bits(target):
         assert torch.equal(o.view(torch.int16), first.view(torch.int16))
 
 
-@pytest.mark.parametrize("target", ["sm_100", "sm_120"], ids=["bm64-mma.sync", "sm_120-config"])
+@pytest.mark.parametrize("target", ["sm_100", "sm_120", "sm_90a"], ids=["bm64-mma.sync", "sm_120-config", "wgmma"])
 def test_restructured_loops_give_the_same_bits(target):
     """Switches that reorganise work without changing any sum's order must not change the output by a bit: the
     tree mask read key by key (VMLA_FAST_MASK=0, the default reads it as one bit word per thread), P.V in
-    column groups of 4 n8 tiles, QK in two passes over a warp's keys (where they split evenly) - on every
-    shipped capture and fuzz batches with deep trees, long prefixes and keys past the end of a segment."""
+    column groups of 4 n8 tiles, QK in two passes over a warp's keys (where they split evenly); on Hopper the
+    wgmma segment unpipelined (2 stages) and pipelined with P through shared memory - on every shipped capture
+    and fuzz batches with deep trees, long prefixes and keys past the end of a segment."""
     import dataclasses
 
-    from kdtree.kernel import KernelConfig, VerifyKernel
+    from kdtree.kernel import KernelConfig, VerifyKernel, device_arch
 
-    base = KernelConfig.for_arch(target)  # the mma.sync path at 64 rows (what sm_100 runs) and at 32 rows
-    others = [dataclasses.replace(base, extra=(("VMLA_FAST_MASK", 0),)), dataclasses.replace(base, extra=(("VMLA_PV_GROUP", 4),))]
-    if (base.bn // base.khalves // 8) % 4 == 0:
-        others.append(dataclasses.replace(base, kpasses=2))
+    base = KernelConfig.for_arch(target)  # mma.sync at 64 rows (what sm_100 runs) and at 32 rows; the wgmma segment
+    if base.wgmma:
+        if device_arch() != "sm_90":
+            pytest.skip(f"the wgmma segment needs Hopper (sm_90), this GPU is {device_arch()}")
+        others = [dataclasses.replace(base, stages=2, wg_pipe=0), dataclasses.replace(base, wg_pipe=2)]
+    else:
+        others = [dataclasses.replace(base, extra=(("VMLA_FAST_MASK", 0),)), dataclasses.replace(base, extra=(("VMLA_PV_GROUP", 4),))]
+        if (base.bn // base.khalves // 8) % 4 == 0:
+            others.append(dataclasses.replace(base, kpasses=2))
     kernels = [VerifyKernel.get(c) for c in [base, *others]]
     caps = [load(p) for p in SHIPPED] + [synthesize(fuzz_spec(s), device="cuda", reference=False) for s in range(0, 40, 3)]
     for cap in caps:
