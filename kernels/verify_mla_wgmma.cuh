@@ -245,7 +245,6 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
 #pragma unroll
   for (int i = 0; i < PV_N / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
-#if VMLA_WG_PIPE
   // ---- the steps of a tile ----
   // top(t): tile t landed and visible to the tensor cores (and every warpgroup past the steps that read the
   // stage refilled now), then the rows of tile t + LOAD_AHEAD and the slot ids of tile t + SLOT_AHEAD requested
@@ -310,7 +309,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   };
 
   float s[NT][4], x[2][8], alpha[2];
-#if VMLA_WG_PIPE == 1
+#if VMLA_WG_PIPE != 2
   uint32_t pa[2][4];
 #endif
   // Software pipeline: QK of tile t and P V of tile t-1 are issued together; the exchange and the softmax of
@@ -339,6 +338,19 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     for (int kk = 0; kk < 2; ++kk) wgmma_pv_ss(acc, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4));
     wg_commit();
   };
+  // the pipelined loop's three P-dependent steps
+  auto stash_p = [&](const float (&x)[2][8], int t) { write_p(x, t % 2); };
+  auto issue_pv_of = [&](int t) { issue_pv_ss(t % 2, t % VMLA_STAGES); };
+  auto pv_done = [&]() { fence_operands(acc); };
+#elif VMLA_WG_PIPE == 1
+  auto stash_p = [&](const float (&x)[2][8], int) { pack(x, pa); };
+  auto issue_pv_of = [&](int t) { issue_pv(pa, t % VMLA_STAGES); };
+  auto pv_done = [&]() {  // the accumulators and P's registers are free again
+    fence_operands(acc);
+    fence_operands(pa);
+  };
+#endif
+#if VMLA_WG_PIPE
   if (num_tiles > 0) {
     top(0);
     issue_qk(s, 0);
@@ -346,115 +358,40 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     fence_operands(s);
     scores(s, x);
     softmax(x, 0, alpha);  // the accumulators are still zero: no rescale
-    write_p(x, 0);
+    stash_p(x, 0);
     for (int t = 1; t < num_tiles; ++t) {
-      top(t);  // P of tile t-1 published; both warpgroups past P V of tile t-2 (its stage and P buffer free)
+      top(t);  // P of tile t-1 published; both warpgroups past the exchange of tile t-1 and P V of tile t-2
       issue_qk(s, t % VMLA_STAGES);
-      issue_pv_ss((t - 1) % 2, (t - 1) % VMLA_STAGES);
+      issue_pv_of(t - 1);
       wg_wait<1>();  // QK of tile t (P V of tile t-1 may still run)
       fence_operands(s);
       scores(s, x);
       softmax(x, t, alpha);
-      wg_wait<0>();  // P V of tile t-1: the accumulators are free again
-      fence_operands(acc);
+      wg_wait<0>();  // P V of tile t-1
+      pv_done();
       rescale(alpha);
-      write_p(x, t % 2);
+      stash_p(x, t);
     }
-    __syncthreads();  // P of the last tile from both warpgroups
-    issue_pv_ss((num_tiles - 1) % 2, (num_tiles - 1) % VMLA_STAGES);
+    if (VMLA_WG_PIPE == 2) __syncthreads();  // P of the last tile from both warpgroups
+    issue_pv_of(num_tiles - 1);
     wg_wait<0>();
-    fence_operands(acc);
+    pv_done();
   }
 #else
-  if (num_tiles > 0) {
-    top(0);
-    issue_qk(s, 0);
+  for (int t = 0; t < num_tiles; ++t) {  // one tile at a time: QK, exchange, softmax, P V
+    const int stage = t % VMLA_STAGES;
+    top(t);
+    issue_qk(s, stage);
     wg_wait<0>();
     fence_operands(s);
     scores(s, x);
-    softmax(x, 0, alpha);  // the accumulators are still zero: no rescale
+    softmax(x, t, alpha);
+    rescale(alpha);
     pack(x, pa);
-    for (int t = 1; t < num_tiles; ++t) {
-      top(t);  // also: both warpgroups are past the exchange of tile t-1 and P V of tile t-2
-      issue_qk(s, t % VMLA_STAGES);
-      issue_pv(pa, (t - 1) % VMLA_STAGES);
-      wg_wait<1>();  // QK of tile t (P V of tile t-1 may still run)
-      fence_operands(s);
-      scores(s, x);
-      softmax(x, t, alpha);
-      wg_wait<0>();  // P V of tile t-1: the accumulators and P's registers are free again
-      fence_operands(acc);
-      fence_operands(pa);
-      rescale(alpha);
-      pack(x, pa);
-    }
-    issue_pv(pa, (num_tiles - 1) % VMLA_STAGES);
+    issue_pv(pa, stage);
     wg_wait<0>();
     fence_operands(acc);
     fence_operands(pa);
-  }
-#endif
-#else
-  for (int t = 0; t < num_tiles; ++t) {
-    const int stage = t % VMLA_STAGES;
-    const int k0 = k_begin + t * BN;
-    cp_async_wait<LOAD_AHEAD - 1>();
-    fence_async_smem();
-    __syncthreads();  // tile t (and Q) visible to the tensor cores; every warpgroup is past P.V of tile t-1
-    {
-      const int ahead = t + LOAD_AHEAD;
-      if (ahead < num_tiles) load_kv_tile(sm, ahead % VMLA_STAGES, ahead % IDX_RING, a.kv_buffer, k_begin + ahead * BN, k_end);
-      load_tile_slots(sm, (t + SLOT_AHEAD) % IDX_RING, kv_idx, k_begin + (t + SLOT_AHEAD) * BN, k_end);
-      cp_async_commit();
-    }
-    // ---- QK: this warpgroup's 18 k-steps ----
-    float s[NT][4];
-    issue_qk(s, sm, stage, wg);
-    wg_wait<0>();
-    // ---- exchange partial scores: both warpgroups get the full sum (part 0 + part 1, the same bits) ----
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      *reinterpret_cast<float2*>(&sm.s[wg][r_lo][j * 8 + tig * 2]) = make_float2(s[j][0], s[j][1]);
-      *reinterpret_cast<float2*>(&sm.s[wg][r_lo + 8][j * 8 + tig * 2]) = make_float2(s[j][2], s[j][3]);
-    }
-    __syncthreads();
-    float x[2][8];
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float2 o0 = *reinterpret_cast<const float2*>(&sm.s[0][r_lo + 8 * h][j * 8 + tig * 2]);
-        const float2 o1 = *reinterpret_cast<const float2*>(&sm.s[1][r_lo + 8 * h][j * 8 + tig * 2]);
-        x[h][j * 2] = o0.x + o1.x;
-        x[h][j * 2 + 1] = o0.y + o1.y;
-      }
-    // ---- softmax on the fragments; P to A fragments; rescale ----
-    float alpha[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      alpha[h] = softmax_row(st[h], x[h], visible_keys<BN>(a, k0, k_end, prefix, valid[h], token[h]), a, tig);
-    if (alpha[0] != 1.f || alpha[1] != 1.f) {
-#pragma unroll
-      for (int i = 0; i < PV_N / 8; ++i) {
-        acc[i][0] *= alpha[0]; acc[i][1] *= alpha[0];
-        acc[i][2] *= alpha[1]; acc[i][3] *= alpha[1];
-      }
-    }
-    uint32_t pa[2][4];
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      pa[kk][0] = pack_bf16(x[0][4 * kk], x[0][4 * kk + 1]);
-      pa[kk][1] = pack_bf16(x[1][4 * kk], x[1][4 * kk + 1]);
-      pa[kk][2] = pack_bf16(x[0][4 * kk + 2], x[0][4 * kk + 3]);
-      pa[kk][3] = pack_bf16(x[1][4 * kk + 2], x[1][4 * kk + 3]);
-    }
-    // ---- PV: this warpgroup's 256 columns ----
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk)
-      wgmma_pv(acc, pa[kk], desc(&sm.kv[stage][wg * 4][kk * 16][0], BN * 128, 1024));
-    wg_commit();
-    wg_wait<0>();
   }
 #endif
 
