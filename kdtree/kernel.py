@@ -368,10 +368,11 @@ class LaunchPlan:
         return dataclasses.replace(self, arrays={k: v.to(device) for k, v in self.arrays.items()})
 
 
-def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *, blocks_per_sm: int | None = None,
+def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *,
          fused_merge: bool | None = None) -> LaunchPlan:
-    """Cut the batch into row tiles x key tiles and share the units equally among one block per SM (a request's
-    last row tile costs about as much per unit as a full one, measured: weighting it lighter was slower).
+    """Cut the batch into row tiles x key tiles and share the units equally among the persistent blocks
+    (`config.blocks_per_sm` per SM; a request's last row tile costs about as much per unit as a full one,
+    measured: weighting it lighter was slower).
     `fused_merge` (default: when no tile is split into more than FUSED_MERGE_SEGS partials, on the mma.sync
     paths) lets the kernel merge split tiles itself instead of launching verify_mla_merge."""
     n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
@@ -382,7 +383,7 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
     rt_row0 = np.concatenate([np.arange(r) * config.bm for r in row_tiles])
     rt_unit_start = np.concatenate([[0], np.cumsum(key_tiles[rt_request])])
     units = int(rt_unit_start[-1])
-    grid = max(1, min(num_sms * (blocks_per_sm or config.blocks_per_sm), units))
+    grid = max(1, min(num_sms * config.blocks_per_sm, units))
     cta_unit_start = np.arange(grid + 1) * units // grid
     cta_first_rt = np.searchsorted(rt_unit_start, cta_unit_start[:-1], side="right") - 1
     rt_first_cta = np.searchsorted(cta_unit_start, rt_unit_start[:-1], side="right") - 1
@@ -421,7 +422,7 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
 # Relative time of one (row tile, key tile) unit, by kind of segment, and of a segment (prologue, pipeline fill,
 # partial store and merge; about proportional to BM), in units of a wgmma unit. Least-squares fit of
 # time = units * u + segments * s per configuration to the eight bench cases of one H200 run
-# (docs/bench/v8-experiments-h200.log, run 6): u(BM 32) / u(wgmma) = 0.86, s / u = 19.2 at BM 64 and 10.5 at
+# (docs/bench/session4-experiments-h200.log, run 6): u(BM 32) / u(wgmma) = 0.86, s / u = 19.2 at BM 64 and 10.5 at
 # BM 32 (0.30 and 0.33 a row); mma.sync at BM 64 measured 1.30-1.34x the wgmma time on the long cases.
 UNIT_COST = {"wgmma64": 1.0, "mma64": 1.33, "mma32": 0.86}
 SEGMENT_COST_PER_ROW = 0.3

@@ -18,6 +18,8 @@
 // ahead. S = Q K^T is computed as dim-slice x row-group x key-part partials (mma.sync m16n8k16), summed
 // through shared memory by the softmax step, which writes P (bf16) back; then each warp accumulates P V
 // for its 64 output columns. The sm_120 configuration stays under its 101,376-byte per-block limit.
+// On Hopper (VMLA_WGMMA, compiled for sm_90a) the segment body is verify_mla_wgmma.cuh's: warpgroup MMAs
+// straight from swizzled shared memory; the stream-K walk, slot-id ring, mask bits and merges are shared.
 #include "verify_mla_common.cuh"
 
 namespace {
