@@ -58,19 +58,14 @@ template <int N>
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // Registers an in-flight wgmma reads or writes: keep the compiler from moving their uses above the wait (or
 // reusing P's registers before it), as if the wait had written them.
-template <int A, int B>
-__device__ __forceinline__ void fence_operands(float (&r)[A][B]) {
+__device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)); }
+__device__ __forceinline__ void fence_operand(uint32_t& x) { asm volatile("" : "+r"(x)); }
+template <class T, int A, int B>
+__device__ __forceinline__ void fence_operands(T (&r)[A][B]) {
 #pragma unroll
   for (int i = 0; i < A; ++i)
 #pragma unroll
-    for (int j = 0; j < B; ++j) asm volatile("" : "+f"(r[i][j]));
-}
-template <int A, int B>
-__device__ __forceinline__ void fence_operands(uint32_t (&r)[A][B]) {
-#pragma unroll
-  for (int i = 0; i < A; ++i)
-#pragma unroll
-    for (int j = 0; j < B; ++j) asm volatile("" : "+r"(r[i][j]));
+    for (int j = 0; j < B; ++j) fence_operand(r[i][j]);
 }
 // cp.async writes (generic proxy) visible to the tensor cores' reads (async proxy); before the barrier.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
