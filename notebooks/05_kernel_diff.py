@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -14,7 +16,8 @@
 # %% [markdown]
 # # Kernel diff
 # Compile `kernels/verify_mla.cu` (resources for sm_120 and the present GPU), run it on captures and diff it
-# against the fp64 oracle. Edit the `.cu` (or a header it includes) and re-run: the change is picked up.
+# against the fp64 oracle. Edit the `.cu` (or a header it includes: on Hopper the segment body is
+# `verify_mla_wgmma.cuh`) and re-run: the change is picked up.
 # Without a GPU the kernel cannot run: the notebook says so, compile-checks sm_120/sm_90 and diffs the
 # emulation of SGLang's numerics instead.
 
@@ -27,15 +30,16 @@ import kdtree
 from kdtree import plots
 from kdtree.diff import diff_capture
 from kdtree.impls import gpu_available
-from kdtree.kernel import KernelConfig, device_arch, nvrtc_compile, parse_ptxas
+from kdtree.kernel import KernelConfig, device_arch, nvrtc_arch, nvrtc_compile, parse_ptxas
 
 GPU = gpu_available()
 print("GPU:", device_arch() if GPU else "none here - running the emulation instead of the kernel")
 targets = ["sm_120"] + ([device_arch()] if GPU and device_arch() != "sm_120" else ["sm_90"])
 for arch in targets:
-    _, log = nvrtc_compile(arch)  # a compile error raises KernelCompileError quoting the offending lines
-    print(f"--- NVRTC log, {arch} ---\n{log}")
-    for r in parse_ptxas(log, arch, KernelConfig.for_arch(arch)):
+    config = KernelConfig.for_arch(arch)  # on Hopper: the wgmma segment, compiled as sm_90a
+    _, log = nvrtc_compile(arch, config)  # a compile error raises KernelCompileError quoting the offending lines
+    print(f"--- NVRTC log, {nvrtc_arch(arch, config)} ---\n{log}")
+    for r in parse_ptxas(log, nvrtc_arch(arch, config), config):
         print(r.line())
 
 # %%
