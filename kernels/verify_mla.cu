@@ -63,14 +63,6 @@ struct Smem {
   int flag[4];  // [0]: this block merges the row tile (fused merge)
 };
 
-// Fetch the slot ids of keys [k0, k0 + BN) into idx[slot] (0 past k_end). One warp's worth of threads.
-__device__ __forceinline__ void load_tile_slots(Smem& sm, int slot, const int* __restrict__ kv_idx, int k0, int k_end) {
-  if (threadIdx.x < VMLA_BN) {
-    const int key = k0 + threadIdx.x;
-    cp_async_4(&sm.idx[slot][threadIdx.x], key < k_end ? kv_idx + key : kv_idx, key < k_end);
-  }
-}
-
 // Copy ROWS rows of VMLA_DIM bf16 into shared memory (dst rows ROW_STRIDE apart) with 16-byte cp.async; row r
 // comes from row_src(r), or is zero-filled where that is null. NUM_THREADS / ROWS threads share a row, thread j
 // taking its chunks j, j + TPR, ...: one address per thread and row, and a warp's copies cover whole 128-byte
@@ -204,7 +196,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   const int num_tiles = (k_end - k_begin + VMLA_BN - 1) / VMLA_BN;
   gather_rows<VMLA_BM>(qs, [&](int r) { return row0 + r < rows ? q + (grow0 + r) * VMLA_DIM : nullptr; }, q);
 #pragma unroll
-  for (int j = 0; j < SLOT_AHEAD; ++j) load_tile_slots(sm, j, kv_idx, k_begin + j * VMLA_BN, k_end);
+  for (int j = 0; j < SLOT_AHEAD; ++j) load_tile_slots(sm.idx[j], kv_idx, k_begin + j * VMLA_BN, k_end);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();  // Q staged, slot ids of the first tiles in shared memory
@@ -295,7 +287,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
       const int ahead = t + VMLA_STAGES - 1;
       if (ahead < num_tiles)
         load_kv_tile(sm, ahead % VMLA_STAGES, ahead % IDX_RING, kv_buffer, k_begin + ahead * VMLA_BN, k_end);
-      load_tile_slots(sm, (t + SLOT_AHEAD) % IDX_RING, kv_idx, k_begin + (t + SLOT_AHEAD) * VMLA_BN, k_end);
+      load_tile_slots(sm.idx[(t + SLOT_AHEAD) % IDX_RING], kv_idx, k_begin + (t + SLOT_AHEAD) * VMLA_BN, k_end);
       cp_async_commit();
     }
     qk_tile(stage);

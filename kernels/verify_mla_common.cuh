@@ -49,6 +49,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(smem_addr(p)));
 }
 
+// Fetch the slot ids of keys [k0, k0 + VMLA_BN) into dst (0 past k_end): one warp's worth of threads, cp.async.
+__device__ __forceinline__ void load_tile_slots(int* dst, const int* __restrict__ kv_idx, int k0, int k_end) {
+  if (threadIdx.x < VMLA_BN) {
+    const int key = k0 + threadIdx.x;
+    cp_async_4(&dst[threadIdx.x], key < k_end ? kv_idx + key : kv_idx, key < k_end);
+  }
+}
+
 template <int A, int B>
 __device__ __forceinline__ void zero_frags(float (&x)[A][B][4]) {
 #pragma unroll

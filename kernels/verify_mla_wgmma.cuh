@@ -124,13 +124,6 @@ __device__ __forceinline__ void gather_swizzled(__nv_bfloat16* dst, RowSrc row_s
   }
 }
 
-__device__ __forceinline__ void load_tile_slots(Smem& sm, int slot, const int* __restrict__ kv_idx, int k0, int k_end) {
-  if (threadIdx.x < BN) {
-    const int key = k0 + threadIdx.x;
-    cp_async_4(&sm.idx[slot][threadIdx.x], key < k_end ? kv_idx + key : kv_idx, key < k_end);
-  }
-}
-
 __device__ __forceinline__ void load_kv_tile(Smem& sm, int stage, int slot, const __nv_bfloat16* __restrict__ kv_buffer,
                                              int k0, int k_end) {
   gather_swizzled<BN>(&sm.kv[stage][0][0][0], [&](int r) {
@@ -216,7 +209,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
 
   gather_swizzled<BM>(&sm.q[0][0][0], [&](int r) { return row0 + r < rows ? a.q + (grow0 + r) * VMLA_DIM : nullptr; }, a.q);
 #pragma unroll
-  for (int j = 0; j < SLOT_AHEAD; ++j) load_tile_slots(sm, j, kv_idx, k_begin + j * BN, k_end);
+  for (int j = 0; j < SLOT_AHEAD; ++j) load_tile_slots(sm.idx[j], kv_idx, k_begin + j * BN, k_end);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();  // slot ids of the first tiles in shared memory (Q may still be landing: see the loop)
@@ -249,7 +242,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     __syncthreads();
     const int ahead = t + LOAD_AHEAD;
     if (ahead < num_tiles) load_kv_tile(sm, ahead % VMLA_STAGES, ahead % IDX_RING, a.kv_buffer, k_begin + ahead * BN, k_end);
-    load_tile_slots(sm, (t + SLOT_AHEAD) % IDX_RING, kv_idx, k_begin + (t + SLOT_AHEAD) * BN, k_end);
+    load_tile_slots(sm.idx[(t + SLOT_AHEAD) % IDX_RING], kv_idx, k_begin + (t + SLOT_AHEAD) * BN, k_end);
     cp_async_commit();
   };
   // this warpgroup's 18 k-steps of QK for the tile in `stage` (asynchronous: one commit group)
