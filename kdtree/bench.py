@@ -46,6 +46,17 @@ CASES = [
     BenchCase("kimi-tp8 mixed", "kimi-k2-tp8", (100, 1500, 7000, 20000, 3, 45000), 65),
 ]
 
+# Probe cases for experiments (scripts/variants.py, scripts/trace_case.py; not benchmarked): the small tree's
+# 16 x 2,048 prefixes at other tree sizes, to see what the rows past the last full 64-row tile cost
+# (H 8: N 8 = 64 rows, N 9 = 64 + 8, N 16 = 128, N 2 = 16).
+PROBE_CASES = [BenchCase(f"small tree N{n}", "kimi-k2-tp8", (2048,) * 16, n) for n in (2, 8, 9, 16)]
+
+
+def select_cases(patterns: list[str], *, probes: bool = False) -> list[BenchCase]:
+    """Bench cases whose name contains one of `patterns`, then (probes) the probe cases named exactly."""
+    picked = [c for c in CASES if any(p in c.name for p in patterns)]
+    return picked + [c for c in PROBE_CASES if probes and c.name in patterns]
+
 
 def case_flops(cap: Capture) -> float:
     H = cap.meta.num_heads

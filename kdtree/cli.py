@@ -242,7 +242,7 @@ def bench(
 
     if not gpu_available():
         _fail("kdtree bench needs a CUDA GPU and CuPy (pip install -e '.[cuda13]')")
-    cases = [c for c in b.CASES if not case or any(s in c.name for s in case)]
+    cases = b.select_cases(case) if case else list(b.CASES)
     if not cases:
         _fail(f"--case matches none of: {', '.join(c.name for c in b.CASES)}")
     result = b.run(cases, with_sglang=not no_sglang, log=typer.echo)

@@ -338,7 +338,7 @@ PLAN_ARRAYS = ("cta_unit_start", "cta_first_rt", "rt_unit_start", "rt_request", 
 
 @dataclass
 class LaunchPlan:
-    """A stream-K split of one batch: the (row tile, key tile) work units shared equally by `grid` blocks.
+    """A stream-K split of one batch: the (row tile, key tile) work units shared by `grid` blocks (`balanced_split`).
 
     The arrays are int32; `to(device)` moves them once, before any launch or graph capture. For CUDA-graph
     replay with other lengths, plan again and copy the new arrays into the captured ones (same sizes when
@@ -368,11 +368,42 @@ class LaunchPlan:
         return dataclasses.replace(self, arrays={k: v.to(device) for k, v in self.arrays.items()})
 
 
+# What a block pays for each segment it works on beyond its tiles, in units. The H200 trace of the wgmma segment
+# (scripts/trace_case.py, session 5) puts 6.4 us of a segment in its prologue, first tile's wait and store, against
+# 1.9-2.0 us a tile (3.3 units), and the first tiles after a segment starts run slower still; timed side by side,
+# 4 to 6 did best (small tree 0.072-0.073 ms against 0.074 at 3 and 0.076 with equal shares; the mixed batch
+# 0.33-0.34 against 0.38 and 0.45). docs/kernel-notes.md, "Session 5".
+SEGMENT_OVERHEAD_UNITS = 5.0
+
+
+def balanced_split(rt_unit_start: np.ndarray, grid: int, segment_units: float) -> np.ndarray:
+    """Block boundaries [grid + 1] over the units that even out each block's units + segment_units per row tile
+    it starts or continues (0: equal shares). Every block keeps at least one unit.
+
+    The cost of units [a, b) is W(b - 1) + 1 - W(a) + segment_units with W(u) = u + segment_units * (row tile of
+    u): equal steps of W give equal costs, and a boundary that falls in the jump between two row tiles lands on
+    the second one's start (no split)."""
+    units = int(rt_unit_start[-1])
+    if segment_units <= 0:
+        return np.arange(grid + 1) * units // grid
+    starts = rt_unit_start[:-1].astype(np.float64)
+    w_start = starts + segment_units * np.arange(len(starts))  # W at each row tile's first unit
+    w_end = units + segment_units * (len(starts) - 1)
+    w = np.arange(1, grid) * (w_end / grid)
+    rt = np.searchsorted(w_start, w, side="right") - 1
+    inner = np.minimum(rt_unit_start[rt + 1], starts[rt] + np.rint(w - w_start[rt])).astype(np.int64)
+    bounds = np.concatenate([[0], inner, [units]])
+    idx = np.arange(grid + 1)
+    bounds = np.maximum.accumulate(np.maximum(bounds, 0) - idx) + idx  # strictly increasing ...
+    return np.minimum(bounds, units - grid + idx)  # ... and every block keeps a unit (grid <= units)
+
+
 def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *,
-         fused_merge: bool | None = None) -> LaunchPlan:
-    """Cut the batch into row tiles x key tiles and share the units equally among the persistent blocks
-    (`config.blocks_per_sm` per SM; a request's last row tile costs about as much per unit as a full one,
-    measured: weighting it lighter was slower).
+         fused_merge: bool | None = None, segment_units: float | None = None) -> LaunchPlan:
+    """Cut the batch into row tiles x key tiles and share the units among the persistent blocks
+    (`config.blocks_per_sm` per SM) so that each block's units plus `segment_units` (default
+    SEGMENT_OVERHEAD_UNITS) per segment come out even (`balanced_split`; a request's last row tile costs about as
+    much per unit as a full one, measured: weighting it lighter was slower).
     `fused_merge` (default: when no tile is split into more than FUSED_MERGE_SEGS partials, on the mma.sync
     paths) lets the kernel merge split tiles itself instead of launching verify_mla_merge."""
     n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
@@ -384,7 +415,7 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
     rt_unit_start = np.concatenate([[0], np.cumsum(key_tiles[rt_request])])
     units = int(rt_unit_start[-1])
     grid = max(1, min(num_sms * config.blocks_per_sm, units))
-    cta_unit_start = np.arange(grid + 1) * units // grid
+    cta_unit_start = balanced_split(rt_unit_start, grid, SEGMENT_OVERHEAD_UNITS if segment_units is None else segment_units)
     cta_first_rt = np.searchsorted(rt_unit_start, cta_unit_start[:-1], side="right") - 1
     rt_first_cta = np.searchsorted(cta_unit_start, rt_unit_start[:-1], side="right") - 1
     rt_last_cta = np.searchsorted(cta_unit_start, rt_unit_start[1:] - 1, side="right") - 1

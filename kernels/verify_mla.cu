@@ -8,8 +8,8 @@
 // Work decomposition: all heads of all nodes of a request share one KV stream, so rows (node, head) are
 // packed into M (row r of request b = q[(qo_indptr[b] * H) + r]) and cut into row tiles of BM rows. The
 // work is the list of (row tile, key tile of BN keys) units, request by request; a persistent grid of one
-// block per SM takes equal contiguous shares of it (stream-K), so every SM gets the same number of key
-// tiles whatever the batch looks like. Where a block's share covers a row tile whole, it writes o/lse;
+// block per SM takes contiguous shares of it (stream-K), balanced by the host's plan so every SM gets the same
+// work (key tiles + a cost per segment) whatever the batch looks like. A share covering a row tile writes o/lse;
 // otherwise it writes an fp32 partial (o, lse), combined through the LSEs by the last of the tile's blocks to
 // finish (tiles of at most VMLA_FUSED_MERGE_SEGS partials) or by verify_mla_merge after this kernel.
 //
@@ -351,6 +351,8 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
   const int c = blockIdx.x;
   int u = cta_unit_start[c];
   const int u_end = cta_unit_start[c + 1];
+  VMLA_MARK(-1);
+  VMLA_MARK(VMLA_MARK_START);
   for (int rt = cta_first_rt[c]; u < u_end; ++rt) {
     const int t0 = rt_unit_start[rt], t1 = rt_unit_start[rt + 1];
     const int seg_end = min(u_end, t1);
@@ -358,6 +360,7 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
     const int kv_len = a.kv_indptr[b + 1] - a.kv_indptr[b];
     const int k_begin = (u - t0) * VMLA_BN, k_end = min(kv_len, (seg_end - t0) * VMLA_BN);
     const int segments = rt_seg_base[rt + 1] - rt_seg_base[rt];
+    VMLA_MARK(0);
     float* out_o = nullptr;
     float* out_lse = nullptr;
     TileMerge merge{nullptr, segments, nullptr, nullptr};
@@ -375,5 +378,8 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
     verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge);
 #endif
     u = seg_end;
+    VMLA_MARK(4);
+    VMLA_MARK(-2);  // next segment
   }
+  VMLA_MARK(VMLA_MARK_END);
 }

@@ -34,6 +34,29 @@ __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool vali
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// VMLA_TRACE (timing experiments, scripts/trace_case.py): thread 0 of each block stamps %globaltimer (ns) into
+// vmla_trace[block][slot]: slot 0 the block's start, 31 its end, 1 + 5 s + e event e of its segment s (s < 6):
+// 0 start, 1 Q and slot ids landed, 2 first tile landed, 3 tile loop done, 4 outputs written.
+#ifndef VMLA_TRACE
+#define VMLA_TRACE 0
+#endif
+#define VMLA_MARK_START 100
+#define VMLA_MARK_END 101
+#if VMLA_TRACE
+extern "C" __device__ unsigned long long vmla_trace[VMLA_TRACE * 32];  // VMLA_TRACE = the grid size
+__device__ __forceinline__ void trace_mark(int slot) {
+  __shared__ int seg;  // the walk's segment count (thread 0's own: nobody else reads it)
+  if (threadIdx.x != 0) return;
+  if (slot < 0) { seg = slot == -1 ? 0 : seg + 1; return; }  // -1: first segment, -2: next segment
+  const int at = slot == VMLA_MARK_START ? 0 : slot == VMLA_MARK_END ? 31 : 1 + 5 * seg + slot;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  if (at < 32) vmla_trace[blockIdx.x * 32 + at] = t;
+}
+#define VMLA_MARK(slot) trace_mark(slot)
+#else
+#define VMLA_MARK(slot) ((void)0)
+#endif
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

@@ -213,6 +213,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();  // slot ids of the first tiles in shared memory (Q may still be landing: see the loop)
+  VMLA_MARK(1);
 #pragma unroll
   for (int j = 0; j < LOAD_AHEAD; ++j) {  // one commit group per tile
     if (j < num_tiles) load_kv_tile(sm, j, j, a.kv_buffer, k_begin + j * BN, k_end);
@@ -341,6 +342,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
 #if VMLA_WG_PIPE
   if (num_tiles > 0) {
     top(0);
+    VMLA_MARK(2);
     issue_qk(s, 0);
     wg_wait<0>();
     fence_operands(s);
@@ -383,6 +385,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   }
 #endif
 
+  VMLA_MARK(3);
   // ---- epilogue: the row sums (4 shares), o or the partial, lse ----
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -56,6 +56,11 @@ VARIANTS = {
     "wgmma_pipe_p_smem": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=2), {}),
     "wgmma_merge_kernel": (KernelConfig.for_arch("sm_90a"), {"fused_merge": False}),
     "wgmma_fused": (KernelConfig.for_arch("sm_90a"), {"fused_merge": True}),
+    # equal unit shares (session 4's plan) instead of shares balanced for segment overheads
+    "wgmma_equal": (KernelConfig.for_arch("sm_90a"), {"segment_units": 0}),
+    "bm32_equal": (KernelConfig(), {"segment_units": 0}),
+    **{f"wgmma_seg{n}": (KernelConfig.for_arch("sm_90a"), {"segment_units": n}) for n in (2, 4, 5, 6, 8)},
+    **{f"bm32_seg{n}": (KernelConfig(), {"segment_units": n}) for n in (2, 4, 6)},
     # the same kernel with parts of each tile's work left out (wrong output; where does the time go?)
     **{
         f"{bm}_skip_{n}": (KernelConfig(**base, extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})
@@ -71,7 +76,7 @@ def main():
     ap.add_argument("--cases", nargs="*", default=["32k x4", "dsv3", "small tree", "8k x8", "mixed"])
     ap.add_argument("--variants", nargs="*", default=["bm64_r2k1", "no_fast_mask", "fast_exp", "bm32_regs", "bm32_w4x2"])
     a = ap.parse_args()
-    cases = [c for c in bench.CASES if any(s in c.name for s in a.cases)]
+    cases = bench.select_cases(a.cases, probes=True)
     rows, first = {}, {}
     for case in cases:
         cap = synthesize(case.spec(), reference=False)

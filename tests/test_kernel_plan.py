@@ -5,7 +5,7 @@ import pytest
 
 from kdtree.capture import load
 from kdtree.fuzz import fuzz_spec
-from kdtree.kernel import FUSED_MERGE_SEGS, KernelConfig, plan
+from kdtree.kernel import FUSED_MERGE_SEGS, SEGMENT_OVERHEAD_UNITS, KernelConfig, balanced_split, plan
 from kdtree.marshal import marshal
 from kdtree.synth import synthesize
 
@@ -34,20 +34,33 @@ CASES = [load(p) for p in SHIPPED[:3]] + [synthesize(fuzz_spec(s), reference=Fal
 @pytest.mark.parametrize("cap", CASES, ids=lambda c: f"bs{c.batch_size}-N{int(c.num_draft.max())}")
 @pytest.mark.parametrize("config", [KernelConfig(), KernelConfig.for_arch("sm_90")], ids=["bm32", "bm64"])
 @pytest.mark.parametrize("num_sms", [1, 7, 132, 188])
-def test_every_work_unit_is_done_once_and_shares_are_equal(cap, config, num_sms):
+@pytest.mark.parametrize("segment_units", [0.0, None, 17.0], ids=["equal", "default", "heavy"])
+def test_every_work_unit_is_done_once_and_shares_are_balanced(cap, config, num_sms, segment_units):
+    """Each unit in exactly one block, each partial slot written once, and the blocks' shares even: equal unit
+    counts with segment_units 0, else equal units + segment_units per segment (within rounding)."""
     args = marshal(cap)
     H = cap.meta.num_heads
-    p = plan(args, H, num_sms, config)
+    p = plan(args, H, num_sms, config, segment_units=segment_units)
     a = {k: v.numpy() for k, v in p.arrays.items()}
     n = cap.num_draft.numpy()
     kv = (cap.prefix_lens + cap.num_draft).numpy()
     row_tiles = -(-n * H // config.bm)
     assert len(a["rt_request"]) == row_tiles.sum() == p.row_tiles and p.grid <= num_sms
     shares = np.diff(a["cta_unit_start"])
-    assert shares.min() >= 1 and shares.max() - shares.min() <= 1
+    assert shares.min() >= 1
+    seg_units = SEGMENT_OVERHEAD_UNITS if segment_units is None else segment_units
+    steps = walk(p, config.bn)
+    cost = np.zeros(p.grid)
+    for c, _, k0, k1, _ in steps:
+        cost[c] += k1 - k0 + seg_units
+    ideal = (p.units + seg_units * (p.row_tiles - 1)) / p.grid + seg_units  # each block's share of the total
+    if seg_units == 0:
+        assert shares.max() - shares.min() <= 1
+    else:
+        assert cost.max() <= ideal + 2, (cost.max(), ideal)
     seen = {}
     slots = []
-    for c, rt, k0, k1, slot in walk(p, config.bn):
+    for c, rt, k0, k1, slot in steps:
         seen.setdefault(rt, []).append((k0, k1))
         if slot is not None:
             slots.append(slot)
@@ -103,3 +116,28 @@ def test_the_plan_picks_the_cheaper_configuration_per_batch():
     blackwell_dc = chosen("sm_100")
     assert blackwell_dc["kimi-tp8 small tree"] == blackwell_dc["kimi-tp8 ddtree64 4k"] == "mma32", blackwell_dc
     assert all(v == "mma64" for k, v in blackwell_dc.items() if any(s in k for s in ("8k x8", "32k", "128k", "kimi-dp"))), blackwell_dc
+
+
+def test_balanced_split_moves_units_to_blocks_with_fewer_segments():
+    """Three row tiles of 10 units on 3 blocks: equal shares when segments are free; with a segment overhead the
+    boundaries land on row tile starts (no split, 3 segments instead of 5); many short row tiles after a long one
+    give the block holding them fewer units; every block keeps a unit even when the overhead dwarfs the work."""
+    starts = np.array([0, 10, 20, 30])
+    assert balanced_split(starts, 3, 0).tolist() == [0, 10, 20, 30]
+    assert balanced_split(np.array([0, 12, 18, 30]), 3, 0).tolist() == [0, 10, 20, 30]
+    assert balanced_split(np.array([0, 12, 18, 30]), 3, 5.0).tolist() == [0, 12, 18, 30]
+    many = np.concatenate([[0], 60 + np.arange(0, 31, 3)])  # one 60-unit tile, then ten 3-unit tiles
+    assert balanced_split(many, 2, 0).tolist() == [0, 45, 90]  # 45 units each, the second block in 11 segments
+    assert balanced_split(many, 2, 5.0).tolist() == [0, 63, 90]  # 63 + 2 x 5 against 27 + 9 x 5
+    tight = balanced_split(np.arange(0, 9), 8, 100.0)
+    assert tight.tolist() == list(range(9))
+
+
+def test_bench_case_selection():
+    """Substrings pick bench cases; probe cases (experiments only) come only by exact name and on request."""
+    from kdtree.bench import CASES, PROBE_CASES, select_cases
+
+    assert [c.name for c in select_cases(["small tree"])] == ["kimi-tp8 small tree"]
+    assert [c.name for c in select_cases(["small tree", "small tree N8"], probes=True)] == ["kimi-tp8 small tree", "small tree N8"]
+    assert select_cases(["small tree N8"]) == [] and select_cases(["8k"]) == [c for c in CASES if "8k" in c.name]
+    assert {c.num_draft * 8 for c in PROBE_CASES} == {16, 64, 72, 128}  # rows a request at H 8

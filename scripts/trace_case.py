@@ -1,0 +1,124 @@
+"""Where one launch's time goes, block by block: the kernel built with VMLA_TRACE stamps %globaltimer at each
+block's start and end and at five points of each segment (start, Q and slot ids landed, first tile landed, tile
+loop done, outputs written). One device call; prints a summary per case, writes trace.json to $OUT.
+
+Usage: python3 scripts/trace_case.py "small tree" "small tree N8" [--reps 5]   (needs a GPU)
+(Bench cases match by substring, kdtree.bench.PROBE_CASES by their exact name.)
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kdtree import bench  # noqa: E402
+from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, device_arch, plan  # noqa: E402
+from kdtree.marshal import marshal  # noqa: E402
+from kdtree.synth import synthesize  # noqa: E402
+
+EVENTS = ("start", "landed", "first_tile", "loop_done", "written")
+
+
+def segment_tiles(p) -> list[list[int]]:
+    """Key tiles of each segment of each block (the kernel's walk, on the host)."""
+    a = {k: v.cpu().numpy() if hasattr(v, "cpu") else np.asarray(v) for k, v in p.arrays.items()}
+    out = []
+    for c in range(p.grid):
+        u, u_end, rt, segs = a["cta_unit_start"][c], a["cta_unit_start"][c + 1], a["cta_first_rt"][c], []
+        while u < u_end:
+            seg_end = min(u_end, a["rt_unit_start"][rt + 1])
+            segs.append(int(seg_end - u))
+            u, rt = seg_end, rt + 1
+        out.append(segs)
+    return out
+
+
+def summarize(tr: np.ndarray, tiles: list[list[int]]) -> dict:
+    """Times in microseconds from the first block's start."""
+    t0 = tr[:, 0].min()
+    us = (tr.astype(np.int64) - int(t0)) / 1e3
+    seg = {"prologue": [], "first_tile": [], "per_tile": [], "epilogue": []}
+    busy, overhead = [], []
+    for c, segs in enumerate(tiles):
+        o = 0.0
+        for s, n in enumerate(segs[:6]):
+            e = us[c, 1 + 5 * s: 6 + 5 * s]
+            seg["prologue"].append(e[1] - e[0])
+            seg["first_tile"].append(e[2] - e[1])
+            if n > 1:
+                seg["per_tile"].append((e[3] - e[2]) / n)
+            seg["epilogue"].append(e[4] - e[3])
+            o += (e[2] - e[0]) + (e[4] - e[3])
+        busy.append(us[c, 31] - us[c, 0])
+        overhead.append(o)
+    q = lambda v: {"mean": float(np.mean(v)), "min": float(np.min(v)), "max": float(np.max(v))}  # noqa: E731
+    return {
+        "block_start": q(us[:, 0]), "block_end": q(us[:, 31]), "kernel_span": float(us[:, 31].max()),
+        "block_busy": q(busy), "block_segment_overhead": q(overhead), **{k: q(v) for k, v in seg.items() if v},
+        "segments_per_block": q([len(s) for s in tiles]), "tiles_per_block": q([sum(s) for s in tiles]),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cases", nargs="+")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--define", action="append", default=[], help="NAME=VALUE for the kernel (repeatable)")
+    ap.add_argument("--segment-units", type=float, nargs="*", default=[None], help="plan(segment_units=...) values to trace")
+    a = ap.parse_args()
+    cases = bench.select_cases(a.cases, probes=True)
+    base = KernelConfig.for_arch(device_arch())
+    extra = tuple((k, int(v)) for k, v in (d.split("=") for d in a.define))
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    results = {}
+    for case, su in ((c, su) for c in cases for su in a.segment_units):
+        cap = synthesize(case.spec(), reference=False)
+        args = marshal(cap)
+        H = cap.meta.num_heads
+        p0 = plan(args, H, torch.cuda.get_device_properties(0).multi_processor_count, base)
+        config = dataclasses.replace(base, extra=base.extra + extra + (("VMLA_TRACE", p0.grid),))
+        kern = VerifyKernel.get(config)
+        p = plan(args, H, kern.num_sms, config, segment_units=su).to("cuda")
+        ws = Workspace.for_plan(p)
+        module = kern._compiled(config)[0]
+        cp = kern.cupy
+        trace = cp.ndarray((p.grid, 32), dtype=cp.uint64, memptr=module.get_global("vmla_trace"))
+        q, pool = cap.layer(0).q.cuda(), cap.pool(0, "cuda")
+        o = torch.empty(cap.num_tokens, H, 512, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(cap.num_tokens, H, device="cuda")
+        dev = args.to("cuda")
+        tiles = segment_tiles(p)
+        reps = []
+        for _ in range(a.reps):
+            flush.zero_()
+            trace.fill(0)
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+            kern.launch(p, dev, q, pool, o, lse, ws)
+            ev[1].record()
+            torch.cuda.synchronize()
+            raw = trace.get()
+            s = summarize(raw, tiles)
+            s["event_ms_with_merge"] = ev[0].elapsed_time(ev[1])
+            s["raw_us"] = ((raw.astype(np.int64) - int(raw[:, 0].min())) / 1e3).round(3).tolist()
+            reps.append(s)
+        best = sorted(reps, key=lambda r: r["kernel_span"])[len(reps) // 2]  # the median launch
+        name = case.name + ("" if su is None else f" segment_units={su:g}")
+        results[name] = {"grid": p.grid, "units": p.units, "segments": p.segments, "tiles": tiles, "median_launch": best}
+        print(f"{name}: grid {p.grid}, units {p.units}, segments {p.segments}, merge kernel {p.split and not p.fused_merge}")
+        print(f"   launch (events, fwd + merge) {best['event_ms_with_merge'] * 1e3:.1f} us; fwd span {best['kernel_span']:.1f} us")
+        for k, v in best.items():
+            if isinstance(v, dict):
+                print(f"   {k:24s} mean {v['mean']:7.2f}  min {v['min']:7.2f}  max {v['max']:7.2f}")
+        sys.stdout.flush()
+    Path(os.environ.get("OUT", "."), "trace.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
