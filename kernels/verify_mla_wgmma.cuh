@@ -126,15 +126,23 @@ __device__ __forceinline__ void gather_swizzled(__nv_bfloat16* dst, RowSrc row_s
 
 __device__ __forceinline__ void load_kv_tile(Smem& sm, int stage, int slot, const __nv_bfloat16* __restrict__ kv_buffer,
                                              int k0, int k_end) {
+#ifndef VMLA_SKIP_LOAD
   gather_swizzled<BN>(&sm.kv[stage][0][0][0], [&](int r) {
     return k0 + r < k_end ? kv_buffer + static_cast<int64_t>(sm.idx[slot][r]) * VMLA_DIM : nullptr;
   }, kv_buffer);
+#endif
 }
 
 // One row's softmax step on a thread's 8 scores of it (keys 8 j + 2 t + e of the tile, j < 4, e < 2; the
 // row's 4 threads are adjacent lanes): scale, cap, mask (bit c of vis: key k0 + c visible), online max and sum.
 // x becomes p; returns alpha. l is this thread's share of the row's sum (the 4 shares are added at the end).
 __device__ __forceinline__ float softmax_row(RowState& st, float* x, uint32_t vis, const Args& a, int tig) {
+#ifdef VMLA_SKIP_SOFTMAX  // timing experiment: P = scores, no mask/max/exp/sums
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] *= 1e-3f;
+  st.l = 1.f;
+  return 1.f;
+#endif
   if (a.logit_cap > 0.f) {  // a uniform branch: without it every score would pay for tanhf
 #pragma unroll
     for (int i = 0; i < 8; ++i) x[i] = a.logit_cap * tanhf(x[i] * a.sm_scale / a.logit_cap) * LOG2E;
@@ -180,11 +188,13 @@ __device__ __forceinline__ void issue_qk(float (&s)[NT][4], uint64_t dq, uint64_
 #pragma unroll
   for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
   wg_fence();
+#ifndef VMLA_SKIP_QK
 #pragma unroll
   for (int i = 0; i < KSTEPS_PER_WG; ++i) {
     const int ks = WG * KSTEPS_PER_WG + i, atom = ks / 4, kbytes = (ks % 4) * 32;
     wgmma_qk(s, dq + ((atom * BM * 128 + kbytes) >> 4), dk + ((atom * BN * 128 + kbytes) >> 4), i > 0);
   }
+#endif
   wg_commit();
 }
 __device__ __forceinline__ void issue_qk(float (&s)[NT][4], Smem& sm, int stage, int wg) {
@@ -251,12 +261,22 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   // P V for this warpgroup's 256 columns over the tile in `stage` (asynchronous: one commit group)
   [[maybe_unused]] auto issue_pv = [&](const uint32_t (&pa)[2][4], int stage) {
     wg_fence();
+#ifndef VMLA_SKIP_PV
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) wgmma_pv(acc, pa[kk], desc(&sm.kv[stage][wg * 4][kk * 16][0], BN * 128, 1024));
+#endif
     wg_commit();
   };
   // exchange the partial scores: both warpgroups get the full sum (part 0 + part 1, the same bits)
   auto scores = [&](const float (&s)[NT][4], float (&x)[2][8]) {
+#ifdef VMLA_SKIP_EXCHANGE  // timing experiment: this warpgroup's partial only (no shared memory, no barrier)
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      x[0][j * 2] = s[j][0]; x[0][j * 2 + 1] = s[j][1];
+      x[1][j * 2] = s[j][2]; x[1][j * 2 + 1] = s[j][3];
+    }
+    return;
+#endif
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       *reinterpret_cast<float2*>(&sm.s[wg][r_lo][j * 8 + tig * 2]) = make_float2(s[j][0], s[j][1]);

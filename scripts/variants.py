@@ -68,6 +68,12 @@ VARIANTS = {
         for n, ks in {"qk": ["QK"], "pv": ["PV"], "mma": ["QK", "PV"], "softmax": ["SOFTMAX"], "load": ["LOAD"],
                       "all": ["QK", "PV", "SOFTMAX", "LOAD"]}.items()
     },
+    **{
+        f"wgmma_skip_{n}": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})
+        for n, ks in {"qk": ["QK"], "pv": ["PV"], "mma": ["QK", "PV"], "softmax": ["SOFTMAX"], "exchange": ["EXCHANGE"],
+                      "load": ["LOAD"], "load_mma": ["LOAD", "QK", "PV"],
+                      "all": ["QK", "PV", "SOFTMAX", "LOAD", "EXCHANGE"]}.items()
+    },
 }
 
 

@@ -103,3 +103,13 @@ def test_wgmma_variants_compile_and_fit(stages, pipe):
     (fwd,) = [r for r in compile_report("sm_90", config) if r.name == "verify_mla_fwd"]
     assert fwd.ok and fwd.arch == "sm_90a", fwd.line()
     assert fwd.dynamic_smem == config.smem_bytes
+
+
+@pytest.mark.parametrize("extra", [(("VMLA_TRACE", 132),), tuple((f"VMLA_SKIP_{k}", 1) for k in ("QK", "PV", "SOFTMAX", "EXCHANGE", "LOAD"))],
+                         ids=["trace", "skips"])
+def test_wgmma_experiment_builds_compile(extra):
+    """The timing builds scripts/trace_case.py and scripts/variants.py ask for (block timelines, parts of each
+    tile left out) still compile for sm_90a, without spills."""
+    config = dataclasses.replace(KernelConfig.for_arch("sm_90"), extra=extra)
+    (fwd,) = [r for r in compile_report("sm_90", config) if r.name == "verify_mla_fwd"]
+    assert fwd.ok and fwd.arch == "sm_90a" and fwd.spill_stores == 0, fwd.line()
