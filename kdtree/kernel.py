@@ -367,6 +367,22 @@ class LaunchPlan:
     def to(self, device) -> "LaunchPlan":
         return dataclasses.replace(self, arrays={k: v.to(device) for k, v in self.arrays.items()})
 
+    def walk(self) -> list[tuple[int, int, int, int, int | None]]:
+        """verify_mla_fwd's loop replayed on the host: (block, row tile, first key tile, end key tile, partial
+        slot or None) for every segment, block by block (tests and scripts/trace_case.py)."""
+        a = {k: v.cpu().numpy() for k, v in self.arrays.items()}
+        out = []
+        for c in range(self.grid):
+            u, u_end, rt = a["cta_unit_start"][c], a["cta_unit_start"][c + 1], a["cta_first_rt"][c]
+            while u < u_end:
+                t0, t1 = a["rt_unit_start"][rt], a["rt_unit_start"][rt + 1]
+                seg_end = min(u_end, t1)
+                segs = a["rt_seg_base"][rt + 1] - a["rt_seg_base"][rt]
+                slot = int(a["rt_seg_base"][rt] + (c - a["rt_first_cta"][rt])) if segs > 1 else None
+                out.append((c, int(rt), int(u - t0), int(seg_end - t0), slot))
+                u, rt = seg_end, rt + 1
+        return out
+
 
 # What a block pays for each segment it works on beyond its tiles, in units. The H200 trace of the wgmma segment
 # (scripts/trace_case.py, session 5) puts 6.4 us of a segment in its prologue, first tile's wait and store, against

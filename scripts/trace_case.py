@@ -22,20 +22,11 @@ from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, device_arch, pl
 from kdtree.marshal import marshal  # noqa: E402
 from kdtree.synth import synthesize  # noqa: E402
 
-EVENTS = ("start", "landed", "first_tile", "loop_done", "written")
-
-
 def segment_tiles(p) -> list[list[int]]:
-    """Key tiles of each segment of each block (the kernel's walk, on the host)."""
-    a = {k: v.cpu().numpy() if hasattr(v, "cpu") else np.asarray(v) for k, v in p.arrays.items()}
-    out = []
-    for c in range(p.grid):
-        u, u_end, rt, segs = a["cta_unit_start"][c], a["cta_unit_start"][c + 1], a["cta_first_rt"][c], []
-        while u < u_end:
-            seg_end = min(u_end, a["rt_unit_start"][rt + 1])
-            segs.append(int(seg_end - u))
-            u, rt = seg_end, rt + 1
-        out.append(segs)
+    """Key tiles of each segment of each block, in the kernel's order."""
+    out = [[] for _ in range(p.grid)]
+    for c, _, k0, k1, _ in p.walk():
+        out[c].append(k1 - k0)
     return out
 
 
@@ -76,19 +67,18 @@ def main():
     base = KernelConfig.for_arch(device_arch())
     extra = tuple((k, int(v)) for k, v in (d.split("=") for d in a.define))
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    max_grid = torch.cuda.get_device_properties(0).multi_processor_count * base.blocks_per_sm  # plan()'s largest grid
+    config = dataclasses.replace(base, extra=base.extra + extra + (("VMLA_TRACE", max_grid),))
+    kern = VerifyKernel.get(config)
+    trace_all = kern.cupy.ndarray((max_grid, 32), dtype=kern.cupy.uint64, memptr=kern.module.get_global("vmla_trace"))
     results = {}
     for case, su in ((c, su) for c in cases for su in a.segment_units):
         cap = synthesize(case.spec(), reference=False)
         args = marshal(cap)
         H = cap.meta.num_heads
-        p0 = plan(args, H, torch.cuda.get_device_properties(0).multi_processor_count, base)
-        config = dataclasses.replace(base, extra=base.extra + extra + (("VMLA_TRACE", p0.grid),))
-        kern = VerifyKernel.get(config)
         p = plan(args, H, kern.num_sms, config, segment_units=su).to("cuda")
         ws = Workspace.for_plan(p)
-        module = kern._compiled(config)[0]
-        cp = kern.cupy
-        trace = cp.ndarray((p.grid, 32), dtype=cp.uint64, memptr=module.get_global("vmla_trace"))
+        trace = trace_all[: p.grid]  # this plan's blocks
         q, pool = cap.layer(0).q.cuda(), cap.pool(0, "cuda")
         o = torch.empty(cap.num_tokens, H, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(cap.num_tokens, H, device="cuda")

@@ -12,22 +12,6 @@ from kdtree.synth import synthesize
 from conftest import SHIPPED
 
 
-def walk(p, bn):
-    """Replay verify_mla_fwd's loop: (block, row tile, first key tile, end key tile, partial slot or None)."""
-    a = {k: v.numpy() for k, v in p.arrays.items()}
-    out = []
-    for c in range(p.grid):
-        u, u_end, rt = a["cta_unit_start"][c], a["cta_unit_start"][c + 1], a["cta_first_rt"][c]
-        while u < u_end:
-            t0, t1 = a["rt_unit_start"][rt], a["rt_unit_start"][rt + 1]
-            seg_end = min(u_end, t1)
-            segs = a["rt_seg_base"][rt + 1] - a["rt_seg_base"][rt]
-            slot = a["rt_seg_base"][rt] + (c - a["rt_first_cta"][rt]) if segs > 1 else None
-            out.append((c, rt, u - t0, seg_end - t0, slot))
-            u, rt = seg_end, rt + 1
-    return out
-
-
 CASES = [load(p) for p in SHIPPED[:3]] + [synthesize(fuzz_spec(s), reference=False) for s in (1, 2, 5, 11)]
 
 
@@ -49,7 +33,7 @@ def test_every_work_unit_is_done_once_and_shares_are_balanced(cap, config, num_s
     shares = np.diff(a["cta_unit_start"])
     assert shares.min() >= 1
     seg_units = SEGMENT_OVERHEAD_UNITS if segment_units is None else segment_units
-    steps = walk(p, config.bn)
+    steps = p.walk()
     cost = np.zeros(p.grid)
     for c, _, k0, k1, _ in steps:
         cost[c] += k1 - k0 + seg_units
