@@ -8,6 +8,7 @@ sum_b 2 * N * H * (prefix_b + N) * (576 + 512); bytes are q + o + the pool rows 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import platform
@@ -97,6 +98,13 @@ def _rotations(cap: Capture, copies: int):
     return sets
 
 
+def cycling(sets, step):
+    """fn() calling step(q, pool) on the next of the rotated input sets each time (each timed call reads
+    other inputs than the last)."""
+    it = itertools.cycle(sets)
+    return lambda: step(*next(it))
+
+
 def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
     from kdtree.kernel import VerifyKernel, Workspace
 
@@ -107,13 +115,7 @@ def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
     ws = Workspace.for_plan(p)
     o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(T, H, device="cuda")
-    it = [0]
-
-    def fn():
-        q, pool = sets[it[0] % len(sets)]
-        it[0] += 1
-        kern.launch(p, dev, q, pool, o, lse, ws)
-
+    fn = cycling(sets, lambda q, pool: kern.launch(p, dev, q, pool, o, lse, ws))
     info = {"grid": p.grid, "units": p.units, "segments": p.segments, "bm": p.config.bm, "smem": p.config.smem_bytes}
     return fn, o, info
 
@@ -132,18 +134,15 @@ def naive_fn(cap: Capture, args: VerifyArgs, sets):
         m[:, p:] = cap.tree_block(b)
         vis.append(m.cuda().repeat_interleave(H, 0))
     scale = args.sm_scale
-    it = [0]
 
-    def fn():
-        q, pool = sets[it[0] % len(sets)]
-        it[0] += 1
+    def step(q, pool):
         for b in range(args.batch_size):
             k = pool[idx[b], 0]
             s = (q[qo[b] : qo[b + 1]].reshape(-1, 576) @ k.T).float() * scale
             pr = torch.softmax(s.masked_fill(~vis[b], float("-inf")), dim=-1).to(torch.bfloat16)
             o[qo[b] : qo[b + 1]] = (pr @ k[:, :512]).view(-1, H, 512)
 
-    return fn, o, {}
+    return cycling(sets, step), o, {}
 
 
 def sglang_fn(cap: Capture, args: VerifyArgs, sets, extend_attention_fwd):
@@ -151,14 +150,7 @@ def sglang_fn(cap: Capture, args: VerifyArgs, sets, extend_attention_fwd):
     from kdtree.sglang import verify_call
 
     call, o = verify_call(cap, cap.meta.layer_ids[0], extend_attention_fwd)
-    it = [0]
-
-    def fn():
-        q, pool = sets[it[0] % len(sets)]
-        it[0] += 1
-        call(q, pool)
-
-    return fn, o, {}
+    return cycling(sets, call), o, {}
 
 
 # ----- the run -----------------------------------------------------------------------------------

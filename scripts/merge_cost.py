@@ -33,13 +33,7 @@ def main():
         ws = Workspace.for_plan(p)
         us = {}
         for name, pp in (("full", p), ("fwd_only", dataclasses.replace(p, segments=0))):
-            it = [0]
-
-            def fn():
-                q, pool = sets[it[0] % len(sets)]
-                it[0] += 1
-                kern.launch(pp, dev, q, pool, o, lse, ws)
-
+            fn = bench.cycling(sets, lambda q, pool, pp=pp: kern.launch(pp, dev, q, pool, o, lse, ws))
             fn()
             torch.cuda.synchronize()
             us[name] = 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")

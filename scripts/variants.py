@@ -99,13 +99,7 @@ def main():
                 kern = VerifyKernel.get(config)
                 p = plan(args, H, kern.num_sms, config, **plan_opts).to("cuda")
                 ws = Workspace.for_plan(p)
-                it = [0]
-
-                def fn():
-                    q, pool = sets[it[0] % len(sets)]
-                    it[0] += 1
-                    kern.launch(p, dev, q, pool, o, lse, ws)
-
+                fn = bench.cycling(sets, lambda q, pool, kern=kern, p=p, ws=ws: kern.launch(p, dev, q, pool, o, lse, ws))
                 fn()
                 torch.cuda.synchronize()
                 ref = first.setdefault(case.name, o.float().clone())  # the first variant's output

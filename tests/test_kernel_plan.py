@@ -125,3 +125,15 @@ def test_bench_case_selection():
     assert [c.name for c in select_cases(["small tree", "small tree N8"], probes=True)] == ["kimi-tp8 small tree", "small tree N8"]
     assert select_cases(["small tree N8"]) == [] and select_cases(["8k"]) == [c for c in CASES if "8k" in c.name]
     assert {c.num_draft * 8 for c in PROBE_CASES} == {16, 64, 72, 128}  # rows a request at H 8
+
+
+def test_timed_calls_cycle_through_the_input_sets():
+    """Each timed call reads the next rotated input set, in order, wrapping around (no two calls in a row on the
+    same inputs when there are two or more sets)."""
+    from kdtree.bench import cycling
+
+    seen = []
+    fn = cycling([("q0", "pool0"), ("q1", "pool1"), ("q2", "pool2")], lambda q, pool: seen.append((q, pool)))
+    for _ in range(7):
+        fn()
+    assert seen == [(f"q{i % 3}", f"pool{i % 3}") for i in range(7)]
