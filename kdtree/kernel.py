@@ -313,6 +313,11 @@ def parse_ptxas(log: str, arch: str, config: KernelConfig) -> list[KernelResourc
             bm=config.bm,
         )
         limits = ARCH_LIMITS.get(arch)
+        # ptxas serialised this function's warpgroup MMAs (every wgmma waited for before the next: on the H200 a
+        # wgmma under a branch it could not prove uniform did this to the whole kernel, 20 % slower; session 6)
+        serialised = re.search(rf"\((C75\d\d)\) Potential Performance Loss: wgmma[^\n]*'{re.escape(name)}'", log)
+        if serialised:
+            r.problems.append(f"wgmma serialised by ptxas ({serialised.group(1)})")
         if r.spill_stores or r.spill_loads:
             r.problems.append(f"register spills ({r.spill_stores} B stored, {r.spill_loads} B loaded)")
         if limits:

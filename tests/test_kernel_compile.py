@@ -71,6 +71,24 @@ def test_ptxas_report_parsing():
     assert not r.ok and "spills" in r.problems[0]
 
 
+def test_serialised_wgmma_is_a_failure():
+    """ptxas's note that it serialised a function's wgmma (C7520: a wgmma under a branch it cannot prove
+    warpgroup-uniform) fails that function's report, and only that function's."""
+    entry = (
+        "ptxas info    : Compiling entry function '{}' for 'sm_90a'\n"
+        "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        "ptxas info    : Used 200 registers, used 1 barriers\n"
+    )
+    note = ("ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+            "program dependence on compiler-inserted WG.AR in divergent path in the function 'verify_mla_fwd'\n")
+    config = KernelConfig.for_arch("sm_90")
+    fwd, merge = parse_ptxas(note + entry.format("verify_mla_fwd") + entry.format("verify_mla_merge"), "sm_90a", config)
+    assert not fwd.ok and fwd.problems == ["wgmma serialised by ptxas (C7520)"] and "C7520" in fwd.line()
+    assert merge.ok
+    (clean,) = parse_ptxas(entry.format("verify_mla_fwd"), "sm_90a", config)
+    assert clean.ok
+
+
 @pytest.fixture
 def kernel_copy(tmp_path):
     for p in source_files():
