@@ -21,6 +21,10 @@ from kdtree.synth import synthesize  # noqa: E402
 
 BM64 = dict(bm=64, q_smem=True, rgroups=2, khalves=1)
 V6_PLAN = dict(fused_merge=False)  # v6's plan: the merge kernel
+# VMLA_SKIP_* sets: variant suffix -> the parts left out (the wgmma body also has the partial-score exchange)
+SKIPS = {"qk": ["QK"], "pv": ["PV"], "mma": ["QK", "PV"], "softmax": ["SOFTMAX"], "load": ["LOAD"],
+         "all": ["QK", "PV", "SOFTMAX", "LOAD"]}
+WGMMA_SKIPS = SKIPS | {"exchange": ["EXCHANGE"], "load_mma": ["LOAD", "QK", "PV"], "all": SKIPS["all"] + ["EXCHANGE"]}
 # name -> (configuration, plan options)
 VARIANTS = {
     "bm32_regs": (KernelConfig(), {}),  # sm_120's configuration
@@ -63,16 +67,10 @@ VARIANTS = {
     **{f"bm32_seg{n}": (KernelConfig(), {"segment_units": n}) for n in (2, 4, 6)},
     # the same kernel with parts of each tile's work left out (wrong output; where does the time go?)
     **{
-        f"{bm}_skip_{n}": (KernelConfig(**base, extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})
-        for bm, base in {"bm64": BM64, "bm32": {}}.items()
-        for n, ks in {"qk": ["QK"], "pv": ["PV"], "mma": ["QK", "PV"], "softmax": ["SOFTMAX"], "load": ["LOAD"],
-                      "all": ["QK", "PV", "SOFTMAX", "LOAD"]}.items()
-    },
-    **{
-        f"wgmma_skip_{n}": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})
-        for n, ks in {"qk": ["QK"], "pv": ["PV"], "mma": ["QK", "PV"], "softmax": ["SOFTMAX"], "exchange": ["EXCHANGE"],
-                      "load": ["LOAD"], "load_mma": ["LOAD", "QK", "PV"],
-                      "all": ["QK", "PV", "SOFTMAX", "LOAD", "EXCHANGE"]}.items()
+        f"{name}_skip_{n}": (dataclasses.replace(config, extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})
+        for name, config, skips in (("bm64", KernelConfig(**BM64), SKIPS), ("bm32", KernelConfig(), SKIPS),
+                                    ("wgmma", KernelConfig.for_arch("sm_90a"), WGMMA_SKIPS))
+        for n, ks in skips.items()
     },
 }
 
