@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import os
@@ -338,7 +339,9 @@ def compile_report(arch: str, config: KernelConfig | None = None) -> list[Kernel
 
 
 # ----- launch planning (host side, outside the launch path) --------------------------------------
-PLAN_ARRAYS = ("cta_unit_start", "cta_first_rt", "rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base", "req_rt_base")
+FWD_ARRAYS = ("cta_unit_start", "cta_first_rt", "rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base")
+# (+ each request's first row tile; verify_mla_merge's per-row (first partial line, partials), [T * H, 2])
+PLAN_ARRAYS = FWD_ARRAYS + ("req_rt_base", "row_merge")
 
 
 @dataclass
@@ -447,6 +450,12 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
     elif fused_merge and segs.max() > FUSED_MERGE_SEGS:
         raise ValueError(f"fused merge takes tiles of at most {FUSED_MERGE_SEGS} partials; this plan splits one into {segs.max()}")
     req_rt_base = np.concatenate([[0], np.cumsum(row_tiles)])
+    total_rows = int(args.qo_indptr[-1]) * num_heads
+    rows_b = np.searchsorted(args.qo_indptr.numpy().astype(np.int64) * num_heads, np.arange(total_rows), side="right") - 1
+    r = np.arange(total_rows) - args.qo_indptr.numpy().astype(np.int64)[rows_b] * num_heads
+    row_rt = req_rt_base[rows_b] + r // config.bm
+    row_segs = np.where(segs > 1, segs, 0)[row_rt]
+    row_merge = np.stack([np.where(row_segs > 0, rt_seg_base[row_rt] * config.bm + r % config.bm, 0), row_segs], axis=1)
     arrays = {
         "cta_unit_start": cta_unit_start,
         "cta_first_rt": cta_first_rt,
@@ -456,11 +465,12 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
         "rt_first_cta": rt_first_cta,
         "rt_seg_base": rt_seg_base,
         "req_rt_base": req_rt_base,
+        "row_merge": row_merge.reshape(-1),
     }
     return LaunchPlan(
         batch_size=len(n),
         num_heads=num_heads,
-        total_rows=int(args.qo_indptr[-1]) * num_heads,
+        total_rows=total_rows,
         mask_words=int(args.tree_mask.shape[1]),
         grid=grid,
         units=units,
@@ -515,6 +525,60 @@ class Workspace:
         )
 
 
+# ----- programmatic dependent launch ---------------------------------------------------------------
+def pdl_available() -> bool:
+    """verify_mla_merge launched as a programmatic dependent of verify_mla_fwd: needs a Hopper-or-newer GPU, a
+    driver with cuLaunchKernelEx (CUDA 12) and KDTREE_PDL not 0. Otherwise a plain launch."""
+    if os.environ.get("KDTREE_PDL", "1") == "0" or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    try:
+        return hasattr(ctypes.CDLL("libcuda.so.1"), "cuLaunchKernelEx")
+    except OSError:
+        return False
+
+
+# verify_mla_merge's threads a row (64: two float4 of the row a thread; 128: one)
+MERGE_THREADS = 64
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("value_pad", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+_PDL_CONFIGS: dict[tuple, tuple] = {}
+_CU_LAUNCH_KERNEL_EX = []
+
+
+def launch_dependent(fn, grid: int, block: int, args: tuple, stream: int) -> None:
+    """Launch CuPy function `fn` (np.uint64 pointers, np.int32, np.float32 arguments) on `stream` with
+    programmatic stream serialisation (the driver's cuLaunchKernelEx through ctypes: a few microseconds of host
+    time, where cuda.bindings' argument marshalling took tens and made short batches host-bound): it may start
+    before the previous kernel ends and waits for it in `griddepcontrol.wait`. The launch configuration is built
+    once per (function, grid, block, stream)."""
+    if not _CU_LAUNCH_KERNEL_EX:
+        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        f.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        f.restype = ctypes.c_int
+        _CU_LAUNCH_KERNEL_EX.append(f)
+    key = (id(fn), grid, block, stream)
+    if key not in _PDL_CONFIGS:
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        cfg = _LaunchConfig((ctypes.c_uint * 3)(grid, 1, 1), (ctypes.c_uint * 3)(block, 1, 1), 0, stream,
+                            ctypes.pointer(attr), 1)
+        _PDL_CONFIGS[key] = (cfg, attr, getattr(fn, "kernel", fn).ptr, fn)
+    cfg, _, func, _ = _PDL_CONFIGS[key]
+    kinds = {np.uint64: ctypes.c_uint64, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}
+    values = [kinds[type(a)](a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    err = _CU_LAUNCH_KERNEL_EX[0](ctypes.byref(cfg), func, params, None)
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernelEx({getattr(fn, 'name', fn)}) failed: CUresult {err}")
+
+
 # ----- CuPy JIT ----------------------------------------------------------------------------------
 class VerifyKernel:
     """verify_mla.cu compiled for the present GPU. `run()` is the convenient path; `launch()` the
@@ -533,6 +597,8 @@ class VerifyKernel:
         self.module, self.fwd, self.merge = self._compiled(self.config)
         self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self._streams: dict[int, object] = {}
+        self.pdl = pdl_available()
+        self.merge_threads = MERGE_THREADS
 
     def _compiled(self, config: KernelConfig) -> tuple:
         """(module, fwd, merge) for `config`, compiled on first use."""
@@ -632,21 +698,17 @@ class VerifyKernel:
                     self._ptr(args.combined_kv_indices), self._ptr(args.prefix_lens), self._ptr(args.tree_mask),
                     i32(p.mask_words), i32(p.num_heads), f32(args.sm_scale), f32(args.logit_cap),
                     self._ptr(o), self._ptr(lse),
-                    *(self._ptr(pa[name]) for name in PLAN_ARRAYS[:-1]),
+                    *(self._ptr(pa[name]) for name in FWD_ARRAYS),
                     self._ptr(ws.part_o), self._ptr(ws.part_lse), self._ptr(ws.rt_counter if p.fused_merge else None),
                 ),
                 shared_mem=p.config.smem_bytes,
             )
             if p.split and not p.fused_merge:
-                merge(
-                    (p.total_rows, 1, 1),
-                    (128, 1, 1),
-                    (
-                        self._ptr(args.qo_indptr), i32(p.batch_size), i32(p.num_heads), self._ptr(pa["req_rt_base"]),
-                        self._ptr(pa["rt_seg_base"]), self._ptr(ws.part_o), self._ptr(ws.part_lse), self._ptr(o),
-                        self._ptr(lse),
-                    ),
-                )
+                merge_args = (self._ptr(pa["row_merge"]), self._ptr(ws.part_o), self._ptr(ws.part_lse), self._ptr(o), self._ptr(lse))
+                if self.pdl:  # its blocks start during the forward kernel's last wave (no launch gap)
+                    launch_dependent(merge, p.total_rows, self.merge_threads, merge_args, torch.cuda.current_stream().cuda_stream)
+                else:
+                    merge((p.total_rows, 1, 1), (self.merge_threads, 1, 1), merge_args)
 
     def run(self, args: VerifyArgs, q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor | None = None,
             lse: torch.Tensor | None = None, *, with_lse: bool = True):

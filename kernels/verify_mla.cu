@@ -351,6 +351,9 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
   const int c = blockIdx.x;
   int u = cta_unit_start[c];
   const int u_end = cta_unit_start[c + 1];
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // verify_mla_merge may launch now (it waits)
+#endif
   VMLA_MARK(-1);
   VMLA_MARK(VMLA_MARK_START);
   for (int rt = cta_first_rt[c]; u < u_end; ++rt) {

@@ -360,6 +360,20 @@ __device__ __forceinline__ MergeWeights merge_weights(const float* lse, int lse_
   for (int s = 0; s < segs; ++s) wsum += __expf(__ldcg(lse + static_cast<int64_t>(s) * lse_stride) - m_use);
   return {m_use, wsum > 0.f ? 1.f / wsum : 0.f, wsum};
 }
+// The same from LSEs already in registers (l[s] for s < segs <= N; the same operations in the same order).
+template <int N>
+__device__ __forceinline__ MergeWeights merge_weights(const float (&l)[N], int segs) {
+  float mx = VMLA_NEG_INF;
+#pragma unroll
+  for (int s = 0; s < N; ++s)
+    if (s < segs) mx = fmaxf(mx, l[s]);
+  const float m_use = mx == VMLA_NEG_INF ? 0.f : mx;
+  float wsum = 0.f;
+#pragma unroll
+  for (int s = 0; s < N; ++s)
+    if (s < segs) wsum += __expf(l[s] - m_use);
+  return {m_use, wsum > 0.f ? 1.f / wsum : 0.f, wsum};
+}
 __device__ __forceinline__ float merged_lse(const MergeWeights& w) { return w.wsum > 0.f ? w.m_use + logf(w.wsum) : VMLA_NEG_INF; }
 // The weight of the partial whose LSE is lse_s.
 __device__ __forceinline__ float merge_weight(float lse_s, const MergeWeights& w) { return __expf(lse_s - w.m_use) * w.inv; }
@@ -374,31 +388,64 @@ __device__ __forceinline__ void add_weighted(float4& acc, float w, const float4&
 }  // namespace vmla
 
 // Combine the partials of every row whose tile was split across blocks, through their LSEs (rows of
-// tiles written whole by one block are left alone). One block of 128 threads per row.
+// tiles written whole by one block are left alone). One block of 64 or 128 threads per row (kdtree.kernel.MERGE_THREADS); row_merge[row] = (the
+// row's line in the partial slots: first slot * BM + row in tile, number of partials), from the plan, so that a
+// block reads it and then only the partials (no search for the row's request and tile).
+// Launched as a programmatic dependent of verify_mla_fwd where the host can (kdtree.kernel.launch_dependent):
+// its blocks may start while the forward kernel runs; griddepcontrol.wait holds them until its partials are
+// complete and visible (a no-op after a plain launch).
+constexpr int MERGE_REG_SEGS = 8;  // rows with at most this many partials keep them all in registers ...
+#ifndef VMLA_MERGE_VECS
+#define VMLA_MERGE_VECS 2
+#endif
+constexpr int MERGE_VECS = VMLA_MERGE_VECS;  // ... up to this many float4 of the row a thread (2: blocks of >= 64)
 extern "C" __global__ void __launch_bounds__(128)
-verify_mla_merge(const int* __restrict__ qo_indptr, int batch_size, int num_heads,
-                 const int* __restrict__ req_rt_base,  // [bs + 1] first row tile of each request
-                 const int* __restrict__ rt_seg_base, const float* __restrict__ part_o,
+verify_mla_merge(const int2* __restrict__ row_merge, const float* __restrict__ part_o,
                  const float* __restrict__ part_lse, __nv_bfloat16* __restrict__ o, float* __restrict__ lse) {
   const int row = blockIdx.x;
-  const int token = row / num_heads;
-  int lo = 0, hi = batch_size;  // request of this token: qo_indptr[b] <= token < qo_indptr[b + 1]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (qo_indptr[mid] <= token) lo = mid; else hi = mid;
-  }
-  const int r = row - qo_indptr[lo] * num_heads;
-  const int rt = req_rt_base[lo] + r / VMLA_BM, tr = r % VMLA_BM;
-  const int base = rt_seg_base[rt], segs = rt_seg_base[rt + 1] - base;
+  const int2 m = row_merge[row];
+  const int segs = m.y;
   if (segs <= 1) return;
-  const float* row_lse = part_lse + static_cast<int64_t>(base) * VMLA_BM + tr;
-  const float* row_o = part_o + (static_cast<int64_t>(base) * VMLA_BM + tr) * VMLA_VDIM;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+  const float* row_lse = part_lse + m.x;
+  const float* row_o = part_o + static_cast<int64_t>(m.x) * VMLA_VDIM;
+  constexpr int64_t O_STRIDE = static_cast<int64_t>(VMLA_BM) * VMLA_VDIM;
+  if (segs <= MERGE_REG_SEGS && blockDim.x * 4 * MERGE_VECS >= VMLA_VDIM) {  // every load issued before the first use
+    float l[MERGE_REG_SEGS];
+    float4 v[MERGE_REG_SEGS][MERGE_VECS];
+#pragma unroll
+    for (int s = 0; s < MERGE_REG_SEGS; ++s) {
+      if (s < segs) {
+        l[s] = __ldcg(row_lse + s * VMLA_BM);
+#pragma unroll
+        for (int j = 0; j < MERGE_VECS; ++j) {
+          const int c = (threadIdx.x + j * blockDim.x) * 4;
+          if (c < VMLA_VDIM) v[s][j] = __ldcg(reinterpret_cast<const float4*>(row_o + s * O_STRIDE + c));
+        }
+      }
+    }
+    const vmla::MergeWeights mw = vmla::merge_weights(l, segs);
+#pragma unroll
+    for (int j = 0; j < MERGE_VECS; ++j) {
+      const int c = (threadIdx.x + j * blockDim.x) * 4;
+      if (c >= VMLA_VDIM) continue;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int s = 0; s < MERGE_REG_SEGS; ++s)
+        if (s < segs) vmla::add_weighted(acc, vmla::merge_weight(l[s], mw), v[s][j]);
+      vmla::store_bf16x4(&o[static_cast<int64_t>(row) * VMLA_VDIM + c], acc);
+    }
+    if (threadIdx.x == 0 && lse != nullptr) lse[row] = vmla::merged_lse(mw);
+    return;
+  }
   const vmla::MergeWeights mw = vmla::merge_weights(row_lse, VMLA_BM, segs);
   for (int c = threadIdx.x * 4; c < VMLA_VDIM; c += blockDim.x * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s = 0; s < segs; ++s)
       vmla::add_weighted(acc, vmla::merge_weight(__ldcg(row_lse + static_cast<int64_t>(s) * VMLA_BM), mw),
-                         __ldcg(reinterpret_cast<const float4*>(row_o + static_cast<int64_t>(s) * VMLA_BM * VMLA_VDIM + c)));
+                         __ldcg(reinterpret_cast<const float4*>(row_o + s * O_STRIDE + c)));
     vmla::store_bf16x4(&o[static_cast<int64_t>(row) * VMLA_VDIM + c], acc);
   }
   if (threadIdx.x == 0 && lse != nullptr) lse[row] = vmla::merged_lse(mw);

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kdtree import bench  # noqa: E402
-from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, plan  # noqa: E402
+from kdtree.kernel import MERGE_THREADS, KernelConfig, VerifyKernel, Workspace, pdl_available, plan  # noqa: E402
 from kdtree.marshal import marshal  # noqa: E402
 from kdtree.synth import synthesize  # noqa: E402
 
@@ -57,6 +58,11 @@ VARIANTS = {
     "wgmma": (KernelConfig.for_arch("sm_90a"), {}),
     "wgmma_nopipe": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=2, wg_pipe=0), {}),
     "wgmma_s3": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=0), {}),
+    # the merge after a plain launch instead of as a programmatic dependent; 128 or 32 threads a merge row
+    "wgmma_nopdl": (KernelConfig.for_arch("sm_90a"), {"_pdl": False}),
+    "wgmma_merge128": (KernelConfig.for_arch("sm_90a"), {"_merge_threads": 128}),
+    "wgmma_nopdl_merge128": (KernelConfig.for_arch("sm_90a"), {"_pdl": False, "_merge_threads": 128}),
+    "wgmma_merge32": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), extra=(("VMLA_MERGE_VECS", 4),)), {"_merge_threads": 32}),
     "wgmma_pipe_p_smem": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=2), {}),
     "wgmma_merge_kernel": (KernelConfig.for_arch("sm_90a"), {"fused_merge": False}),
     "wgmma_fused": (KernelConfig.for_arch("sm_90a"), {"fused_merge": True}),
@@ -78,6 +84,7 @@ VARIANTS = {
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="*", default=["32k x4", "dsv3", "small tree", "8k x8", "mixed"])
+    ap.add_argument("--repeat", type=int, default=1, help="time each variant this many times, interleaved (median)")
     ap.add_argument("--variants", nargs="*", default=["bm64_r2k1", "no_fast_mask", "fast_exp", "bm32_regs", "bm32_w4x2"])
     a = ap.parse_args()
     cases = bench.select_cases(a.cases, probes=True)
@@ -91,24 +98,41 @@ def main():
         T, H = cap.num_tokens, cap.meta.num_heads
         o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(T, H, device="cuda")
+        fns = {}
         for name in a.variants:
             config, plan_opts = VARIANTS[name]
+            plan_opts = dict(plan_opts)
+            pdl = plan_opts.pop("_pdl", None)  # the merge as a programmatic dependent (default: where available)
+            merge_threads = plan_opts.pop("_merge_threads", MERGE_THREADS)
             try:
                 kern = VerifyKernel.get(config)
+                pdl = pdl_available() if pdl is None else pdl
                 p = plan(args, H, kern.num_sms, config, **plan_opts).to("cuda")
                 ws = Workspace.for_plan(p)
-                fn = bench.cycling(sets, lambda q, pool, kern=kern, p=p, ws=ws: kern.launch(p, dev, q, pool, o, lse, ws))
+
+                def step(q, pool, kern=kern, p=p, ws=ws, pdl=pdl, mt=merge_threads):  # (variants may share a kernel)
+                    kern.pdl, kern.merge_threads = pdl, mt
+                    kern.launch(p, dev, q, pool, o, lse, ws)
+
+                fn = bench.cycling(sets, step)
                 fn()
                 torch.cuda.synchronize()
                 ref = first.setdefault(case.name, o.float().clone())  # the first variant's output
                 rel = float((o.float() - ref).norm() / ref.norm())
-                ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-                rows.setdefault(case.name, {})[name] = {"rel_vs_first": rel, "ms": ms, "tflops": flops / ms / 1e9, "regs": kern.resources()["registers"], "local": kern.resources()["local_bytes"], "grid": p.grid, "segments": p.segments, "fused": p.fused_merge}
+                fns[name] = fn
+                rows.setdefault(case.name, {})[name] = {"rel_vs_first": rel, "ms_runs": [], "regs": kern.resources()["registers"], "local": kern.resources()["local_bytes"], "grid": p.grid, "segments": p.segments, "fused": p.fused_merge}
             except Exception as e:  # noqa: BLE001
                 rows.setdefault(case.name, {})[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        for _ in range(a.repeat):  # the variants interleaved, so that drift in the machine hits them alike
+            for name, fn in fns.items():
+                rows[case.name][name]["ms_runs"].append(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        for name in fns:
+            r = rows[case.name][name]
+            r["ms"] = statistics.median(r["ms_runs"])
+            r["tflops"] = flops / r["ms"] / 1e9
         print(case.name)
         for name, r in rows[case.name].items():
-            print(f"   {name:14s} " + (f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s rel {r['rel_vs_first']:.1e} regs {r['regs']} local {r['local']} B grid {r['grid']} segments {r['segments']} fused {r['fused']}" if "ms" in r else r["error"]))
+            print(f"   {name:14s} " + (f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s rel {r['rel_vs_first']:.1e} regs {r['regs']} local {r['local']} B grid {r['grid']} segments {r['segments']} runs {'/'.join(f'{x:.4f}' for x in r['ms_runs'])}" if "ms" in r else r["error"]))
         sys.stdout.flush()
     out = Path(os.environ.get("OUT", "."))
     (out / "variants.json").write_text(json.dumps(rows, indent=1))

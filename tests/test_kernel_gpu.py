@@ -44,6 +44,36 @@ def check_against_references(cap, lid, out):
     return d
 
 
+def test_merge_launches_give_the_same_bits(kern):
+    """verify_mla_merge as a programmatic dependent or a plain launch, 64 or 128 threads a row: the same bits
+    (the same sums in the same order), on a batch whose tiles split into up to 8 partials (registers) and more
+    (the loop)."""
+    from kdtree.kernel import MERGE_THREADS, Workspace, pdl_available
+
+    for seed in (3, 5):
+        cap = synthesize(fuzz_spec(seed), device="cuda", reference=False)
+        host_args = marshal(cap)
+        args = host_args.to("cuda")
+        q, pool = cap.layer(0).q.cuda(), cap.pool(0, "cuda")
+        T, H = cap.num_tokens, cap.meta.num_heads
+        p = kern.plan(host_args, H).to("cuda")
+        if not p.split or p.fused_merge:
+            continue
+        ws = Workspace.for_plan(p)
+        outs = []
+        for pdl in sorted({False, pdl_available()}):
+            for threads in (64, 128):
+                kern.pdl, kern.merge_threads = pdl, threads
+                o, lse = poisoned((T, H, 512), "cuda"), torch.empty(T, H, device="cuda")
+                kern.launch(p, args, q, pool, o, lse, ws)
+                outs.append((o.clone(), lse.clone()))
+        kern.pdl, kern.merge_threads = pdl_available(), MERGE_THREADS
+        torch.cuda.synchronize()
+        for o, lse in outs[1:]:
+            assert torch.equal(o.view(torch.int16), outs[0][0].view(torch.int16))
+            assert torch.equal(lse, outs[0][1])
+
+
 @pytest.mark.parametrize("target", [None, "sm_120"], ids=["this-gpu", "sm_120-config"])
 def test_shared_memory_size_agrees_with_the_source(target):
     import cupy
@@ -230,11 +260,13 @@ def test_logit_cap_is_supported(kern):
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
-@pytest.mark.parametrize("capture,target", [("mixed", None), ("ddtree64-bs3", "sm_120")], ids=["mixed", "fused-merge"])
-def test_compute_sanitizer_is_clean(tool, capture, target):
-    """On a small batch; the second one takes the fused merge (sm_120's configuration splits it that way)."""
+@pytest.mark.parametrize("capture,target,pdl", [("mixed", None, "0"), ("mixed", None, "1"), ("ddtree64-bs3", "sm_120", "0")],
+                         ids=["mixed", "mixed-pdl", "fused-merge"])
+def test_compute_sanitizer_is_clean(tool, capture, target, pdl):
+    """On a small batch, the merge after a plain launch and as a programmatic dependent; the third takes the
+    fused merge (sm_120's configuration splits that batch so)."""
     small = next(p for p in SHIPPED if capture in p.name)
-    env = os.environ | ({"KDTREE_KERNEL_TARGET": target} if target else {})
+    env = os.environ | {"KDTREE_PDL": pdl} | ({"KDTREE_KERNEL_TARGET": target} if target else {})
     r = subprocess.run(
         ["compute-sanitizer", f"--tool={tool}", "--error-exitcode=99", sys.executable, "-m", "kdtree", "diff", str(small), "--impl", "cuda"],
         capture_output=True, text=True, timeout=600, env=env,

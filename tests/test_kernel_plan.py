@@ -61,6 +61,33 @@ def test_every_work_unit_is_done_once_and_shares_are_balanced(cap, config, num_s
 
 
 @pytest.mark.parametrize("cap", CASES, ids=lambda c: f"bs{c.batch_size}-N{int(c.num_draft.max())}")
+@pytest.mark.parametrize("config", [KernelConfig(), KernelConfig.for_arch("sm_90")], ids=["bm32", "bm64"])
+def test_row_merge_points_each_split_row_at_its_partials(cap, config):
+    """verify_mla_merge's per-row lookup: for every row (token * H + head) of a split tile, the partial line
+    (slot * BM + row in tile) of the first block that wrote it and the tile's number of partials; 0 partials for
+    rows of tiles one block wrote whole."""
+    args = marshal(cap)
+    H = cap.meta.num_heads
+    p = plan(args, H, 132, config)
+    a = {k: v.numpy() for k, v in p.arrays.items()}
+    row_merge = a["row_merge"].reshape(-1, 2)
+    assert row_merge.shape == (p.total_rows, 2)
+    slots = {}
+    for _, rt, _, _, slot in p.walk():
+        slots.setdefault(rt, []).append(slot)
+    qo = args.qo_indptr.numpy()
+    expected = np.zeros((p.total_rows, 2), dtype=np.int64)
+    for rt, rt_slots in slots.items():
+        b, row0 = a["rt_request"][rt], a["rt_row0"][rt]
+        rows = (qo[b + 1] - qo[b]) * H
+        for tr in range(min(config.bm, rows - row0)):
+            if len(rt_slots) > 1:
+                expected[qo[b] * H + row0 + tr] = (min(rt_slots) * config.bm + tr, len(rt_slots))
+    assert (row_merge == expected).all()
+    assert (row_merge[:, 1] > 0).any() == p.split
+
+
+@pytest.mark.parametrize("cap", CASES, ids=lambda c: f"bs{c.batch_size}-N{int(c.num_draft.max())}")
 @pytest.mark.parametrize("arch", ["sm_100", "sm_90"], ids=["bm64-mma.sync", "wgmma"])
 def test_fused_merge_only_for_short_splits(cap, arch):
     """By default the mma.sync paths merge short splits in the kernel, the wgmma segment never does; asking
