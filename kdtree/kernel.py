@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import os
 import re
@@ -340,8 +341,8 @@ def compile_report(arch: str, config: KernelConfig | None = None) -> list[Kernel
 
 # ----- launch planning (host side, outside the launch path) --------------------------------------
 FWD_ARRAYS = ("cta_unit_start", "cta_first_rt", "rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base")
-# (+ each request's first row tile; verify_mla_merge's per-row (first partial line, partials), [T * H, 2])
-PLAN_ARRAYS = FWD_ARRAYS + ("req_rt_base", "row_merge")
+# (+ verify_mla_merge's per-row (first partial line, partials), [T * H, 2])
+PLAN_ARRAYS = FWD_ARRAYS + ("row_merge",)
 
 
 @dataclass
@@ -449,13 +450,13 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
         fused_merge = bool(segs.max() <= FUSED_MERGE_SEGS) and not config.wgmma
     elif fused_merge and segs.max() > FUSED_MERGE_SEGS:
         raise ValueError(f"fused merge takes tiles of at most {FUSED_MERGE_SEGS} partials; this plan splits one into {segs.max()}")
-    req_rt_base = np.concatenate([[0], np.cumsum(row_tiles)])
-    total_rows = int(args.qo_indptr[-1]) * num_heads
-    rows_b = np.searchsorted(args.qo_indptr.numpy().astype(np.int64) * num_heads, np.arange(total_rows), side="right") - 1
-    r = np.arange(total_rows) - args.qo_indptr.numpy().astype(np.int64)[rows_b] * num_heads
-    row_rt = req_rt_base[rows_b] + r // config.bm
+    # global rows (token * H + head) run row tile by row tile: each row's tile and its row in that tile
+    tile_rows = np.minimum(config.bm, n[rt_request] * num_heads - rt_row0)
+    total_rows = int(tile_rows.sum())
+    row_rt = np.repeat(np.arange(len(rt_request)), tile_rows)
+    tr = np.arange(total_rows) - np.repeat(np.cumsum(tile_rows) - tile_rows, tile_rows)
     row_segs = np.where(segs > 1, segs, 0)[row_rt]
-    row_merge = np.stack([np.where(row_segs > 0, rt_seg_base[row_rt] * config.bm + r % config.bm, 0), row_segs], axis=1)
+    row_merge = np.stack([np.where(row_segs > 0, rt_seg_base[row_rt] * config.bm + tr, 0), row_segs], axis=1)
     arrays = {
         "cta_unit_start": cta_unit_start,
         "cta_first_rt": cta_first_rt,
@@ -464,7 +465,6 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
         "rt_row0": rt_row0,
         "rt_first_cta": rt_first_cta,
         "rt_seg_base": rt_seg_base,
-        "req_rt_base": req_rt_base,
         "row_merge": row_merge.reshape(-1),
     }
     return LaunchPlan(
@@ -526,22 +526,6 @@ class Workspace:
 
 
 # ----- programmatic dependent launch ---------------------------------------------------------------
-def pdl_available() -> bool:
-    """verify_mla_merge launched as a programmatic dependent of verify_mla_fwd: needs a Hopper-or-newer GPU, a
-    driver with cuLaunchKernelEx (CUDA 12) and KDTREE_PDL not 0. Otherwise a plain launch."""
-    if os.environ.get("KDTREE_PDL", "1") == "0" or torch.cuda.get_device_capability()[0] < 9:
-        return False
-    try:
-        return hasattr(ctypes.CDLL("libcuda.so.1"), "cuLaunchKernelEx")
-    except OSError:
-        return False
-
-
-# verify_mla_merge's threads a row (64: two float4 of the row a thread, one wave of the H200 for the small tree's
-# 2,176 rows; 128: one float4, 2 % slower there - session 7)
-MERGE_THREADS = 64
-
-
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("value_pad", ctypes.c_char * 60)]
 
@@ -552,8 +536,28 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+_CTYPES = {np.uint64: ctypes.c_uint64, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}
 _PDL_CONFIGS: dict[tuple, tuple] = {}
-_CU_LAUNCH_KERNEL_EX = []
+
+
+@functools.cache
+def _cu_launch_kernel_ex():
+    """The driver's cuLaunchKernelEx (CUDA 12) through ctypes, or None."""
+    try:
+        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    f.restype = ctypes.c_int
+    return f
+
+
+def pdl_available() -> bool:
+    """verify_mla_merge launched as a programmatic dependent of verify_mla_fwd: needs a Hopper-or-newer GPU, a
+    driver with cuLaunchKernelEx and KDTREE_PDL not 0. Otherwise a plain launch."""
+    if os.environ.get("KDTREE_PDL", "1") == "0" or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    return _cu_launch_kernel_ex() is not None
 
 
 def launch_dependent(fn, grid: int, block: int, args: tuple, stream: int) -> None:
@@ -562,11 +566,6 @@ def launch_dependent(fn, grid: int, block: int, args: tuple, stream: int) -> Non
     4k case timed 0.064-0.081 ms in some repetitions against 0.042 plain, session 7): it may start before the
     previous kernel ends and waits for it in `griddepcontrol.wait`. The launch configuration is built once per
     (function, grid, block, stream)."""
-    if not _CU_LAUNCH_KERNEL_EX:
-        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-        f.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-        f.restype = ctypes.c_int
-        _CU_LAUNCH_KERNEL_EX.append(f)
     key = (id(fn), grid, block, stream)
     if key not in _PDL_CONFIGS:
         attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
@@ -574,15 +573,19 @@ def launch_dependent(fn, grid: int, block: int, args: tuple, stream: int) -> Non
                             ctypes.pointer(attr), 1)
         _PDL_CONFIGS[key] = (cfg, attr, getattr(fn, "kernel", fn).ptr, fn)
     cfg, _, func, _ = _PDL_CONFIGS[key]
-    kinds = {np.uint64: ctypes.c_uint64, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}
-    values = [kinds[type(a)](a) for a in args]
+    values = [_CTYPES[type(a)](a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    err = _CU_LAUNCH_KERNEL_EX[0](ctypes.byref(cfg), func, params, None)
+    err = _cu_launch_kernel_ex()(ctypes.byref(cfg), func, params, None)
     if err != 0:
         raise RuntimeError(f"cuLaunchKernelEx({getattr(fn, 'name', fn)}) failed: CUresult {err}")
 
 
 # ----- CuPy JIT ----------------------------------------------------------------------------------
+# verify_mla_merge's threads a row (64: two float4 of the row a thread, one wave of the H200 for the small tree's
+# 2,176 rows; 128: one float4, 2 % slower there - session 7)
+MERGE_THREADS = 64
+
+
 class VerifyKernel:
     """verify_mla.cu compiled for the present GPU. `run()` is the convenient path; `launch()` the
     graph-safe one (all tensors on the device, workspace preallocated). With several configurations

@@ -352,27 +352,25 @@ __device__ __forceinline__ void store_scores(float* s, const float (&x)[MTILES][
 struct MergeWeights {
   float m_use, inv, wsum;
 };
-__device__ __forceinline__ MergeWeights merge_weights(const float* lse, int lse_stride, int segs) {
+// N > 0: at most N partials (a constant trip count: the loops unroll, lse_at may index registers); N = 0: any number.
+template <int N = 0, class LseAt>
+__device__ __forceinline__ MergeWeights merge_weights_of(int segs, LseAt lse_at) {
   float mx = VMLA_NEG_INF;
-  for (int s = 0; s < segs; ++s) mx = fmaxf(mx, __ldcg(lse + static_cast<int64_t>(s) * lse_stride));
+  for (int s = 0; s < (N > 0 ? N : segs); ++s)
+    if (s < segs) mx = fmaxf(mx, lse_at(s));
   const float m_use = mx == VMLA_NEG_INF ? 0.f : mx;
   float wsum = 0.f;
-  for (int s = 0; s < segs; ++s) wsum += __expf(__ldcg(lse + static_cast<int64_t>(s) * lse_stride) - m_use);
+  for (int s = 0; s < (N > 0 ? N : segs); ++s)
+    if (s < segs) wsum += __expf(lse_at(s) - m_use);
   return {m_use, wsum > 0.f ? 1.f / wsum : 0.f, wsum};
 }
-// The same from LSEs already in registers (l[s] for s < segs <= N; the same operations in the same order).
+__device__ __forceinline__ MergeWeights merge_weights(const float* lse, int lse_stride, int segs) {
+  return merge_weights_of(segs, [&](int s) { return __ldcg(lse + static_cast<int64_t>(s) * lse_stride); });
+}
+// The same from LSEs already in registers (l[s] for s < segs <= N).
 template <int N>
 __device__ __forceinline__ MergeWeights merge_weights(const float (&l)[N], int segs) {
-  float mx = VMLA_NEG_INF;
-#pragma unroll
-  for (int s = 0; s < N; ++s)
-    if (s < segs) mx = fmaxf(mx, l[s]);
-  const float m_use = mx == VMLA_NEG_INF ? 0.f : mx;
-  float wsum = 0.f;
-#pragma unroll
-  for (int s = 0; s < N; ++s)
-    if (s < segs) wsum += __expf(l[s] - m_use);
-  return {m_use, wsum > 0.f ? 1.f / wsum : 0.f, wsum};
+  return merge_weights_of<N>(segs, [&](int s) { return l[s]; });
 }
 __device__ __forceinline__ float merged_lse(const MergeWeights& w) { return w.wsum > 0.f ? w.m_use + logf(w.wsum) : VMLA_NEG_INF; }
 // The weight of the partial whose LSE is lse_s.
