@@ -562,8 +562,8 @@ def pdl_available() -> bool:
 
 def launch_dependent(fn, grid: int, block: int, args: tuple, stream: int) -> None:
     """Launch CuPy function `fn` (np.uint64 pointers, np.int32, np.float32 arguments) on `stream` with
-    programmatic stream serialisation (the driver's cuLaunchKernelEx through ctypes; through cuda.bindings the
-    4k case timed 0.064-0.081 ms in some repetitions against 0.042 plain, session 7): it may start before the
+    programmatic stream serialisation (the driver's cuLaunchKernelEx through ctypes: cuda.bindings' driver-table
+    probe makes failing cuGetProcAddress calls that compute-sanitizer reports, session 7): it may start before the
     previous kernel ends and waits for it in `griddepcontrol.wait`. The launch configuration is built once per
     (function, grid, block, stream)."""
     key = (id(fn), grid, block, stream)
@@ -582,7 +582,7 @@ def launch_dependent(fn, grid: int, block: int, args: tuple, stream: int) -> Non
 
 # ----- CuPy JIT ----------------------------------------------------------------------------------
 # verify_mla_merge's threads a row (64: two float4 of the row a thread, one wave of the H200 for the small tree's
-# 2,176 rows; 128: one float4, 2 % slower there - session 7)
+# 2,176 rows; 128: one float4, 2.5 % slower there on the H200 - session 7 run 7)
 MERGE_THREADS = 64
 
 
