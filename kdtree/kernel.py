@@ -93,6 +93,8 @@ class KernelConfig:
     wgmma: bool = False  # the Hopper segment (warpgroup MMAs from swizzled shared memory; sm_90a, BM 64)
     wg_pipe: int = 0  # wgmma segment: 1 = QK of tile t and P V of tile t-1 in flight together (3 stages),
     # 2 = the same with P through shared memory
+    few_rows: int = 0  # wgmma segment: row tiles of at most this many rows (<= 16) run the mma.sync few-row
+    # segment, at FEW_UNIT_COST of a unit (0: every tile is a 64-row wgmma tile)
     extra: tuple[tuple[str, int], ...] = ()  # more -D switches (timing experiments)
 
     @classmethod
@@ -103,7 +105,7 @@ class KernelConfig:
         shared memory, which halves the pool bytes each block pulls from L2 per FLOP (v2 measured the
         32-row kernel L2-bound on an H200)."""
         if arch in ("sm_90", "sm_90a"):
-            return cls(bm=64, rgroups=2, khalves=1, q_smem=True, wgmma=True, stages=3, wg_pipe=1)
+            return cls(bm=64, rgroups=2, khalves=1, q_smem=True, wgmma=True, stages=3, wg_pipe=1, few_rows=16)
         if ARCH_LIMITS.get(arch, {}).get("smem_per_block", 0) >= 200_000:
             return cls(bm=64, rgroups=2, khalves=1, q_smem=True)
         return cls()
@@ -111,10 +113,16 @@ class KernelConfig:
     @classmethod
     def candidates(cls, arch: str) -> tuple["KernelConfig", ...]:
         """The configurations `choose_plan` picks from on this target, the default first: parts with ~227 KB
-        also have the 32-row kernel, which wins on small batches of short trees (fewer padding rows).
+        also have the 32-row kernel, which wins on small batches of short trees (fewer padding rows); on Hopper
+        the wgmma segment also without few-row tiles (a batch whose row tiles fill the grid one a block, such as
+        32k x4, would otherwise be split everywhere to balance the cheaper tiles).
         "sm_90a" names the wgmma segment alone (KDTREE_KERNEL_TARGET=sm_90a: tests and experiments)."""
         first = cls.for_arch(arch)
-        return (first,) if first == cls() or arch == "sm_90a" else (first, cls())
+        if first == cls() or arch == "sm_90a":
+            return (first,)
+        if first.few_rows:
+            return (first, dataclasses.replace(first, few_rows=0), cls())
+        return (first, cls())
 
     def defines(self) -> dict[str, int]:
         return dict(self.extra) | {
@@ -130,6 +138,7 @@ class KernelConfig:
             "VMLA_BLOCKS_PER_SM": self.blocks_per_sm,
             "VMLA_WGMMA": int(self.wgmma),
             "VMLA_WG_PIPE": self.wg_pipe,
+            "VMLA_FEW_ROWS": self.few_rows,
             "VMLA_FUSED_MERGE_SEGS": FUSED_MERGE_SEGS,  # the plan's bound, so the two cannot disagree
         }
 
@@ -206,6 +215,7 @@ class KernelResources:
     dynamic_smem: int
     threads: int
     bm: int = 0  # the configuration's rows per block
+    few_rows: int = 0  # the configuration's few-row tiles (wgmma segment)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -216,7 +226,7 @@ class KernelResources:
         smem = self.static_smem + self.dynamic_smem
         verdict = "ok" if self.ok else "FAIL: " + "; ".join(self.problems)
         return (
-            f"{self.arch:7s} bm{self.bm:<3d} {self.name:18s} regs {self.registers:3d}  spill st/ld {self.spill_stores}/{self.spill_loads} B  "
+            f"{self.arch:7s} {'bm' + str(self.bm) + (f'+f{self.few_rows}' if self.few_rows else ''):8s} {self.name:18s} regs {self.registers:3d}  spill st/ld {self.spill_stores}/{self.spill_loads} B  "
             f"stack {self.stack_bytes} B  smem {smem:,} B (static {self.static_smem:,} + dynamic {self.dynamic_smem:,})  "
             f"threads {self.threads}  {verdict}"
         )
@@ -313,6 +323,7 @@ def parse_ptxas(log: str, arch: str, config: KernelConfig) -> list[KernelResourc
             dynamic_smem=config.smem_bytes if fwd else 0,
             threads=config.threads if fwd else 128,
             bm=config.bm,
+            few_rows=config.few_rows if config.wgmma else 0,
         )
         limits = ARCH_LIMITS.get(arch)
         # ptxas serialised this function's warpgroup MMAs (every wgmma waited for before the next: on the H200 a
@@ -360,6 +371,7 @@ class LaunchPlan:
     mask_words: int
     grid: int  # persistent blocks
     units: int  # (row tile, key tile) work units
+    work: float  # the units weighted by their row tile's cost (few-row tiles are cheaper)
     segments: int  # partial slots (row tiles split across blocks, one slot per block touching them)
     fused_merge: bool  # the last block of each split tile merges it (no verify_mla_merge launch)
     config: KernelConfig
@@ -399,24 +411,31 @@ class LaunchPlan:
 # 4 to 6 did best (small tree 0.072-0.073 ms against 0.074 at 3 and 0.076 with equal shares; the mixed batch
 # 0.33-0.34 against 0.38 and 0.45). docs/kernel-notes.md, "Session 5".
 SEGMENT_OVERHEAD_UNITS = 5.0
+# A unit of a few-row tile (at most KernelConfig.few_rows rows: the mma.sync segment of the wgmma body) in units
+# of a 64-row wgmma unit. Timed on the H200 at weights 0.3-0.7 (session 8 runs 3-4, docs/kernel-notes.md): the
+# 128k case puts the tile's real cost near 0.6, and 0.6 did best or near it on every case with few-row tiles.
+FEW_UNIT_COST = 0.6
 
 
-def balanced_split(rt_unit_start: np.ndarray, grid: int, segment_units: float) -> np.ndarray:
-    """Block boundaries [grid + 1] over the units that even out each block's units + segment_units per row tile
-    it starts or continues (0: equal shares). Every block keeps at least one unit.
+def balanced_split(rt_unit_start: np.ndarray, grid: int, segment_units: float, rt_weight: np.ndarray | None = None) -> np.ndarray:
+    """Block boundaries [grid + 1] over the units that even out each block's work + segment_units per row tile
+    it starts or continues (0: equal unit counts). A unit of row tile rt is rt_weight[rt] of work (default 1;
+    few-row tiles are cheaper). Every block keeps at least one unit.
 
-    The cost of units [a, b) is W(b - 1) + 1 - W(a) + segment_units with W(u) = u + segment_units * (row tile of
-    u): equal steps of W give equal costs, and a boundary that falls in the jump between two row tiles lands on
-    the second one's start (no split)."""
+    The cost of units [a, b) is W(b) - W(a) + segment_units, with W(u) = the work of the units before u +
+    segment_units * (row tile of u): equal steps of W give equal costs, and a boundary that falls in the jump
+    between two row tiles lands on the second one's start (no split)."""
     units = int(rt_unit_start[-1])
     if segment_units <= 0:
         return np.arange(grid + 1) * units // grid
     starts = rt_unit_start[:-1].astype(np.float64)
-    w_start = starts + segment_units * np.arange(len(starts))  # W at each row tile's first unit
-    w_end = units + segment_units * (len(starts) - 1)
+    weight = np.ones(len(starts)) if rt_weight is None else np.asarray(rt_weight, dtype=np.float64)
+    work = np.diff(rt_unit_start) * weight
+    w_start = np.concatenate([[0.0], np.cumsum(work)[:-1]]) + segment_units * np.arange(len(starts))  # W at each row tile's first unit
+    w_end = work.sum() + segment_units * (len(starts) - 1)
     w = np.arange(1, grid) * (w_end / grid)
     rt = np.searchsorted(w_start, w, side="right") - 1
-    inner = np.minimum(rt_unit_start[rt + 1], starts[rt] + np.rint(w - w_start[rt])).astype(np.int64)
+    inner = np.minimum(rt_unit_start[rt + 1], starts[rt] + np.rint((w - w_start[rt]) / weight[rt])).astype(np.int64)
     bounds = np.concatenate([[0], inner, [units]])
     idx = np.arange(grid + 1)
     bounds = np.maximum.accumulate(np.maximum(bounds, 0) - idx) + idx  # strictly increasing ...
@@ -424,11 +443,13 @@ def balanced_split(rt_unit_start: np.ndarray, grid: int, segment_units: float) -
 
 
 def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *,
-         fused_merge: bool | None = None, segment_units: float | None = None) -> LaunchPlan:
+         fused_merge: bool | None = None, segment_units: float | None = None,
+         few_unit_cost: float = FEW_UNIT_COST) -> LaunchPlan:
     """Cut the batch into row tiles x key tiles and share the units among the persistent blocks
     (`config.blocks_per_sm` per SM) so that each block's units plus `segment_units` (default
     SEGMENT_OVERHEAD_UNITS) per segment come out even (`balanced_split`; a request's last row tile costs about as
-    much per unit as a full one, measured: weighting it lighter was slower).
+    much per unit as a full one, measured: weighting it lighter was slower - except a tile of at most
+    `config.few_rows` rows, which the few-row segment runs at `few_unit_cost` of a unit).
     `fused_merge` (default: when no tile is split into more than FUSED_MERGE_SEGS partials, on the mma.sync
     paths) lets the kernel merge split tiles itself instead of launching verify_mla_merge."""
     n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
@@ -440,7 +461,11 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
     rt_unit_start = np.concatenate([[0], np.cumsum(key_tiles[rt_request])])
     units = int(rt_unit_start[-1])
     grid = max(1, min(num_sms * config.blocks_per_sm, units))
-    cta_unit_start = balanced_split(rt_unit_start, grid, SEGMENT_OVERHEAD_UNITS if segment_units is None else segment_units)
+    tile_rows = np.minimum(config.bm, n[rt_request] * num_heads - rt_row0)
+    few = (tile_rows <= config.few_rows) if config.wgmma else np.zeros(len(rt_request), dtype=bool)
+    rt_weight = np.where(few, few_unit_cost, 1.0)
+    cta_unit_start = balanced_split(rt_unit_start, grid, SEGMENT_OVERHEAD_UNITS if segment_units is None else segment_units,
+                                    rt_weight)
     cta_first_rt = np.searchsorted(rt_unit_start, cta_unit_start[:-1], side="right") - 1
     rt_first_cta = np.searchsorted(cta_unit_start, rt_unit_start[:-1], side="right") - 1
     rt_last_cta = np.searchsorted(cta_unit_start, rt_unit_start[1:] - 1, side="right") - 1
@@ -451,7 +476,6 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
     elif fused_merge and segs.max() > FUSED_MERGE_SEGS:
         raise ValueError(f"fused merge takes tiles of at most {FUSED_MERGE_SEGS} partials; this plan splits one into {segs.max()}")
     # global rows (token * H + head) run row tile by row tile: each row's tile and its row in that tile
-    tile_rows = np.minimum(config.bm, n[rt_request] * num_heads - rt_row0)
     total_rows = int(tile_rows.sum())
     row_rt = np.repeat(np.arange(len(rt_request)), tile_rows)
     tr = np.arange(total_rows) - np.repeat(np.cumsum(tile_rows) - tile_rows, tile_rows)
@@ -474,6 +498,7 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
         mask_words=int(args.tree_mask.shape[1]),
         grid=grid,
         units=units,
+        work=float((np.diff(rt_unit_start) * rt_weight).sum()),
         segments=int(rt_seg_base[-1]),
         fused_merge=fused_merge and bool(rt_seg_base[-1] > 0),
         config=config,
@@ -494,7 +519,7 @@ def estimated_cost(p: LaunchPlan) -> float:
     """A plan's time per block in wgmma units (for choosing between configurations, not a prediction in ms)."""
     kind = f"{'wgmma' if p.config.wgmma else 'mma'}{p.config.bm}"
     unit = UNIT_COST.get(kind, p.config.bm / 64 * UNIT_COST["mma64"])
-    return (p.units * unit + p.segments * SEGMENT_COST_PER_ROW * p.config.bm) / p.grid
+    return (p.work * unit + p.segments * SEGMENT_COST_PER_ROW * p.config.bm) / p.grid
 
 
 def choose_plan(args: VerifyArgs, num_heads: int, num_sms: int, configs: tuple[KernelConfig, ...]) -> LaunchPlan:

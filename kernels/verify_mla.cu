@@ -374,9 +374,13 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
       if (rt_counter != nullptr) merge = {rt_counter + rt, segments, part_o + base * VMLA_BM * VMLA_VDIM, part_lse + base * VMLA_BM};
     }
 #if VMLA_WGMMA
-    vmla_wg::verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, [&](int64_t grow0, int valid_rows) {
+    auto merge_tile = [&](int64_t grow0, int valid_rows) {
       if (out_o != nullptr && merge.counter != nullptr) merge_if_last(sm, a, merge, grow0, valid_rows);
-    });
+    };
+    if (VMLA_FEW_ROWS > 0 && (a.qo_indptr[b + 1] - a.qo_indptr[b]) * num_heads - rt_row0[rt] <= VMLA_FEW_ROWS)
+      vmla_wg::verify_segment_few(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
+    else
+      vmla_wg::verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
 #else
     verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge);
 #endif

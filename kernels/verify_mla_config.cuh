@@ -71,6 +71,10 @@
 #ifndef VMLA_FAST_EXP
 #define VMLA_FAST_EXP 0  // bare ex2.approx.ftz for p and alpha (measured: no gain, same bits on the bench cases)
 #endif
+#ifndef VMLA_FEW_ROWS
+#define VMLA_FEW_ROWS 0  // wgmma body: row tiles of at most this many rows (<= 16) run the mma.sync few-row
+                         // segment (verify_segment_few) instead of a 64-row wgmma tile; 0: none
+#endif
 #ifndef VMLA_FUSED_MERGE_SEGS
 #define VMLA_FUSED_MERGE_SEGS 4  // split row tiles of at most this many partials may be merged by their last block
 #endif

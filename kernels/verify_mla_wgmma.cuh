@@ -439,4 +439,174 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   __syncthreads();
 }
 
+
+// ---- few-row tiles (VMLA_FEW_ROWS) ----
+// A row tile of at most 16 rows - a request's last, such as the small tree's node 16 x 8 heads - costs a 64-row
+// wgmma tile the full price (the H200 times a tile at ~1.9 us whatever its real rows). Such a tile runs this
+// mma.sync segment instead: one m16 row block over the same swizzled stages and slot-id ring, no wgmma (so none
+// of the kernel's wgmmas is under a branch ptxas cannot prove warpgroup-uniform). Same arithmetic contract as
+// the 64-row segment (fp32 scores and accumulators, bf16 P, the mma.sync path's softmax step); not the same bits.
+// Shared-memory traffic is what bounds a tile this small, so each byte is read about once:
+//   QK:  warp w scores keys [16 (w % 2), +16) over dims [144 (w / 2), +144): 9 k16 steps with its Q fragments
+//        in registers (loaded once a segment) and K by ldmatrix (two n8 tiles a load).
+//   softmax: the four dim quarters summed by 128 threads (8 a row, 4 keys each), P (bf16) and alpha to shared
+//        memory.
+//   PV:  warp w accumulates output columns [64 w, 64 w + 64) (8 n8 tiles, V by ldmatrix.trans): 32 fp32 a thread.
+// Without a P V in flight across tiles, two tiles load ahead (3 stages) and the slot ids four.
+constexpr int FEW_BM = 16;                       // rows scored (one m16 block)
+constexpr int FEW_QROWS = 32;                    // Q rows gathered (gather_swizzled splits 32 rows evenly)
+constexpr int FEW_LOAD_AHEAD = VMLA_STAGES - 1, FEW_SLOT_AHEAD = 2 * FEW_LOAD_AHEAD;
+constexpr int FEW_DSPLIT = 4, FEW_KSTEPS = KSTEPS / FEW_DSPLIT;  // QK: dim quarters, k16 steps in each
+constexpr int FEW_COLS = 4, FEW_TPR = BN / FEW_COLS;  // softmax: keys a thread, threads a row
+static_assert(VMLA_FEW_ROWS <= FEW_BM, "a few-row tile is one m16 block");
+static_assert(FEW_SLOT_AHEAD + 1 <= IDX_RING, "the slot-id ring holds the ids requested and not yet used");
+static_assert(FEW_BM * P_STRIDE <= 2 * BM * BN, "P fits the P buffers");
+static_assert(FEW_DSPLIT * 2 == VMLA_WARPS && FEW_BM * FEW_TPR <= NUM_THREADS, "warps = dim quarters x key halves");
+static_assert(FEW_DSPLIT * FEW_BM <= 2 * BM, "the partial scores fit the exchange buffer");
+
+// element offset of 16-byte chunk c (of 72) of row r in swizzled atoms of ROWS rows (gather_swizzled's layout)
+template <int ROWS>
+__device__ __forceinline__ int swizzled(int r, int c) { return ((c / 8) * ROWS + r) * 64 + (((c % 8) ^ (r % 8)) * 8); }
+
+template <class Merge>
+__device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
+                                                   float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
+  const int num_heads = a.num_heads;
+  const int q0 = a.qo_indptr[b];
+  const int rows = (a.qo_indptr[b + 1] - q0) * num_heads;
+  const int prefix = a.prefix_lens[b];
+  const int* kv_idx = a.kv_indices + a.kv_indptr[b];
+  const int64_t grow0 = static_cast<int64_t>(q0) * num_heads + row0;
+  const int valid_rows = rows - row0;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
+  const int kh = warp % 2, dq = warp / 2;  // QK: this warp's key half (2 n8 tiles) and dim quarter
+  const int num_tiles = (k_end - k_begin + BN - 1) / BN;
+  float* part = &sm.s[0][0][0];      // [FEW_DSPLIT][FEW_BM rows][SX_STRIDE] partial scores
+  float* row_alpha = part + FEW_DSPLIT * FEW_BM * SX_STRIDE;  // [FEW_BM], then the rows' sums [FEW_BM]
+  __nv_bfloat16* p = &sm.p[0][0][0]; // [FEW_BM][P_STRIDE]
+  // softmax threads (tid < 128): row srow, keys [scol, scol + 4)
+  const int srow = tid / FEW_TPR, scol = (tid % FEW_TPR) * FEW_COLS;
+  const bool soft = tid < FEW_BM * FEW_TPR, srow_valid = soft && srow < valid_rows;
+  const int stoken = q0 + (srow_valid ? (row0 + srow) / num_heads : 0);
+
+  gather_swizzled<FEW_QROWS>(&sm.q[0][0][0], [&](int r) { return row0 + r < rows ? a.q + (grow0 + r) * VMLA_DIM : nullptr; }, a.q);
+#pragma unroll
+  for (int j = 0; j < FEW_SLOT_AHEAD; ++j) load_tile_slots(sm.idx[j], kv_idx, k_begin + j * BN, k_end);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
+  VMLA_MARK(1);
+#pragma unroll
+  for (int j = 0; j < FEW_LOAD_AHEAD; ++j) {
+    if (j < num_tiles) load_kv_tile(sm, j, j, a.kv_buffer, k_begin + j * BN, k_end);
+    cp_async_commit();
+  }
+  uint32_t qf[FEW_KSTEPS][4];  // this warp's Q fragments (rows 0-15, its dim quarter)
+#pragma unroll
+  for (int i = 0; i < FEW_KSTEPS; ++i)
+    ldmatrix_x4(qf[i], &sm.q[0][0][0] + swizzled<FEW_QROWS>(lane % 8 + ((lane / 8) % 2) * 8, 2 * (dq * FEW_KSTEPS + i) + lane / 16));
+
+  RowState st;
+  float acc[8][4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  const int k_key = kh * 16 + (lane / 16) * 8 + lane % 8, k_chunk = 2 * dq * FEW_KSTEPS + (lane / 8) % 2;  // K: 2 n8 tiles a load
+  const int v_key = ((lane / 8) % 2) * 8 + lane % 8, v_chunk = warp * 8 + lane / 16;
+
+  for (int t = 0; t < num_tiles; ++t) {
+    const int stage = t % VMLA_STAGES;
+    cp_async_wait<FEW_LOAD_AHEAD - 1>();  // tile t landed (the next may still be in flight)
+    __syncthreads();  // ... for every thread; all warps past tile t-1 (its stage, P and the scores are free)
+    if (t == 0) VMLA_MARK(2);
+    {
+      const int ahead = t + FEW_LOAD_AHEAD;
+      if (ahead < num_tiles) load_kv_tile(sm, ahead % VMLA_STAGES, ahead % IDX_RING, a.kv_buffer, k_begin + ahead * BN, k_end);
+      load_tile_slots(sm.idx[(t + FEW_SLOT_AHEAD) % IDX_RING], kv_idx, k_begin + (t + FEW_SLOT_AHEAD) * BN, k_end);
+      cp_async_commit();
+    }
+    const __nv_bfloat16* skv = &sm.kv[stage][0][0][0];
+    float sc[2][4] = {};  // the warp's two n8 tiles of keys
+#ifndef VMLA_SKIP_QK
+#pragma unroll
+    for (int i = 0; i < FEW_KSTEPS; ++i) {
+      uint32_t kf[4];
+      ldmatrix_x4(kf, skv + swizzled<BN>(k_key, k_chunk + 2 * i));
+      mma_bf16(sc[0], qf[i], kf[0], kf[1]);
+      mma_bf16(sc[1], qf[i], kf[2], kf[3]);
+    }
+#endif
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<float2*>(&part[(dq * FEW_BM + g + 8 * h) * SX_STRIDE + kh * 16 + j * 8 + tig * 2]) =
+            make_float2(sc[j][2 * h], sc[j][2 * h + 1]);
+    __syncthreads();
+    float alpha = 1.f;
+    if (soft) {
+      float x[FEW_COLS];
+      sum_partials<FEW_COLS, FEW_DSPLIT>(x, &part[srow * SX_STRIDE + scol], FEW_BM * SX_STRIDE);
+      alpha = softmax_step<FEW_COLS, FEW_TPR>(st, x, p + srow * P_STRIDE + scol, a, k_begin + t * BN + scol, k_end,
+                                              prefix, srow_valid, stoken);
+      if (scol == 0) row_alpha[srow] = alpha;
+    }
+    const bool moved = __syncthreads_or(alpha != 1.f);  // P and alpha visible; did any row move its max?
+    if (moved || !VMLA_RESCALE_SKIP) {
+      const float a_lo = row_alpha[g], a_hi = row_alpha[g + 8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        acc[i][0] *= a_lo; acc[i][1] *= a_lo;
+        acc[i][2] *= a_hi; acc[i][3] *= a_hi;
+      }
+    }
+#ifndef VMLA_SKIP_PV
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      uint32_t pa[4];
+      load_a_frag<P_STRIDE>(pa, p, 0, kk * 16, lane);
+#pragma unroll
+      for (int pr = 0; pr < 4; ++pr) {
+        uint32_t vf[4];
+        ldmatrix_x4_trans(vf, skv + swizzled<BN>(kk * 16 + v_key, v_chunk + 2 * pr));
+        mma_bf16(acc[2 * pr], pa, vf[0], vf[1]);
+        mma_bf16(acc[2 * pr + 1], pa, vf[2], vf[3]);
+      }
+    }
+#endif
+  }
+
+  VMLA_MARK(3);
+  float* row_l = row_alpha + FEW_BM;
+  if (soft && scol == 0) {
+    row_l[srow] = st.l;
+    if (srow_valid) {
+      if (out_o == nullptr) {
+        if (a.lse != nullptr) a.lse[grow0 + srow] = row_lse(st);
+      } else {
+        out_lse[srow] = row_lse(st);
+      }
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    if (r >= valid_rows) continue;
+    const float l = row_l[r], inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int c = warp * 64 + i * 8 + tig * 2;
+      const float v0 = acc[i][2 * h] * inv, v1 = acc[i][2 * h + 1] * inv;
+      if (out_o == nullptr) {
+        *reinterpret_cast<__nv_bfloat162*>(&a.o[(grow0 + r) * VMLA_VDIM + c]) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        *reinterpret_cast<float2*>(&out_o[r * VMLA_VDIM + c]) = make_float2(v0, v1);
+      }
+    }
+  }
+  merge(grow0, valid_rows);
+  cp_async_wait_all();
+  __syncthreads();
+}
+
 }  // namespace vmla_wg

@@ -63,6 +63,9 @@ VARIANTS = {
     "wgmma_merge128": (KernelConfig.for_arch("sm_90a"), {"_merge_threads": 128}),
     "wgmma_nopdl_merge128": (KernelConfig.for_arch("sm_90a"), {"_pdl": False, "_merge_threads": 128}),
     "wgmma_merge32": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), extra=(("VMLA_MERGE_VECS", 4),)), {"_merge_threads": 32}),
+    # few-row tiles (<= 16 rows) as 64-row wgmma tiles instead of the mma.sync few-row segment; its plan weight
+    "wgmma_nofew": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0), {}),
+    **{f"wgmma_few{round(c * 100)}": (KernelConfig.for_arch("sm_90a"), {"few_unit_cost": c}) for c in (0.3, 0.5, 0.55, 0.6, 0.65, 0.7)},
     "wgmma_pipe_p_smem": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=2), {}),
     "wgmma_merge_kernel": (KernelConfig.for_arch("sm_90a"), {"fused_merge": False}),
     "wgmma_fused": (KernelConfig.for_arch("sm_90a"), {"fused_merge": True}),

@@ -253,6 +253,39 @@ def test_one_configuration_alone(monkeypatch, target, seed):
     check_against_references(cap, 0, run_impl("cuda", cap, 0, device="cuda"))
 
 
+@pytest.mark.parametrize("few_rows", [0, 16], ids=["64-row-wgmma", "few-row-segment"])
+def test_few_row_tiles_in_either_segment(few_rows):
+    """On Hopper a row tile of at most 16 rows (a request's last: node 16 x 8 heads of the small tree) runs the
+    mma.sync few-row segment; with few_rows 0 the 64-row wgmma segment runs it. Both pass the oracle bar on every
+    shipped capture (most have such tiles, split and whole) and on fuzz batches, the logit cap included, and
+    agree with each other to bf16 rounding."""
+    import dataclasses
+
+    from kdtree.kernel import KernelConfig, VerifyKernel, device_arch
+    from kdtree.reference import AttnOutput
+
+    if device_arch() != "sm_90":
+        pytest.skip(f"the wgmma segment needs Hopper (sm_90), this GPU is {device_arch()}")
+    kern = VerifyKernel.get(dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=few_rows))
+    other = VerifyKernel.get(dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=16 - few_rows))
+    caps = [load(p) for p in SHIPPED] + [synthesize(fuzz_spec(s), device="cuda", reference=False) for s in range(1, 60, 6)]
+    caps.append(synthesize(SynthSpec(batch_size=3, prefix_lens=[700, 40, 0], budget=17, seed=8, logit_cap=5.0), device="cuda"))
+    few_tiles = 0
+    for cap in caps:
+        lid = cap.meta.layer_ids[0]
+        args, q, pool = marshal(cap), cap.layer(lid).q.cuda(), cap.pool(lid, "cuda")
+        T, H = cap.num_tokens, cap.meta.num_heads
+        last = (cap.num_draft * H) % 64  # rows of each request's last row tile (0: a full one)
+        few_tiles += int(((last > 0) & (last <= 16)).sum())
+        o, lse = poisoned((T, H, 512), "cuda"), torch.full((T, H), float("nan"), device="cuda")
+        kern.run(args, q, pool, o, lse)
+        check_against_references(cap, lid, AttnOutput(o, lse))
+        o2, lse2 = other.run(args, q, pool)
+        assert float((o.float() - o2.float()).norm() / o2.float().norm()) < 5e-3
+        assert float((lse - lse2).abs().max()) < 1e-3
+    assert few_tiles > 20  # the batches do have few-row tiles
+
+
 def test_logit_cap_is_supported(kern):
     cap = synthesize(SynthSpec(batch_size=2, prefix_lens=[300, 5], budget=16, seed=4, logit_cap=5.0), device="cuda")
     check_against_references(cap, 0, run_impl("cuda", cap, 0, device="cuda"))

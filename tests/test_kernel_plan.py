@@ -5,7 +5,7 @@ import pytest
 
 from kdtree.capture import load
 from kdtree.fuzz import fuzz_spec
-from kdtree.kernel import FUSED_MERGE_SEGS, SEGMENT_OVERHEAD_UNITS, KernelConfig, balanced_split, plan
+from kdtree.kernel import FEW_UNIT_COST, FUSED_MERGE_SEGS, SEGMENT_OVERHEAD_UNITS, KernelConfig, balanced_split, plan
 from kdtree.marshal import marshal
 from kdtree.synth import synthesize
 
@@ -34,10 +34,13 @@ def test_every_work_unit_is_done_once_and_shares_are_balanced(cap, config, num_s
     assert shares.min() >= 1
     seg_units = SEGMENT_OVERHEAD_UNITS if segment_units is None else segment_units
     steps = p.walk()
+    rows = np.minimum(config.bm, n[a["rt_request"]] * H - a["rt_row0"])
+    weight = np.where(rows <= config.few_rows, FEW_UNIT_COST, 1.0) if config.wgmma else np.ones(len(rows))
+    assert p.work == pytest.approx((np.diff(a["rt_unit_start"]) * weight).sum())
     cost = np.zeros(p.grid)
-    for c, _, k0, k1, _ in steps:
-        cost[c] += k1 - k0 + seg_units
-    ideal = (p.units + seg_units * (p.row_tiles - 1)) / p.grid + seg_units  # each block's share of the total
+    for c, rt, k0, k1, _ in steps:
+        cost[c] += (k1 - k0) * weight[rt] + seg_units
+    ideal = (p.work + seg_units * (p.row_tiles - 1)) / p.grid + seg_units  # each block's share of the total
     if seg_units == 0:
         assert shares.max() - shares.min() <= 1
     else:
@@ -104,8 +107,9 @@ def test_fused_merge_only_for_short_splits(cap, arch):
 
 
 def test_the_plan_picks_the_cheaper_configuration_per_batch():
-    """By the cost model fitted to one H200 run: on sm_90 (wgmma at 64 rows, mma.sync at 32) the 4k batch (one
-    short request: few units, many segments) takes 32 rows, everything else the wgmma segment (run 6 measured
+    """By the cost model fitted to one H200 run: on sm_90 (wgmma at 64 rows with and without few-row tiles,
+    mma.sync at 32) the 4k batch (one short request: few units, many segments) takes 32 rows, 32k x4 the wgmma
+    segment without few-row tiles, everything else the wgmma segment with them (run 6 measured
     the small tree 0.083 vs 0.088 ms, 4k 0.059 vs 0.057); where 64 rows means mma.sync (sm_100), the small tree
     takes 32 rows too (v7: 0.088 vs 0.098 ms)."""
     from kdtree.bench import CASES
@@ -117,13 +121,15 @@ def test_the_plan_picks_the_cheaper_configuration_per_batch():
         for case in CASES:
             cap = synthesize(case.spec(), reference=False)
             c = choose_plan(marshal(cap), cap.meta.num_heads, 132, configs).config
-            out[case.name] = ("wgmma" if c.wgmma else "mma") + str(c.bm)
+            out[case.name] = ("wgmma" if c.wgmma else "mma") + str(c.bm) + ("-few" if c.few_rows else "")
         return out
 
-    assert [(c.wgmma, c.bm) for c in KernelConfig.candidates("sm_90")] == [(True, 64), (False, 32)]
+    assert [(c.wgmma, c.bm, c.few_rows) for c in KernelConfig.candidates("sm_90")] == [(True, 64, 16), (True, 64, 0), (False, 32, 0)]
     assert KernelConfig.candidates("sm_120") == (KernelConfig(),)
     hopper = chosen("sm_90")
-    assert hopper.pop("kimi-tp8 ddtree64 4k") == "mma32" and set(hopper.values()) == {"wgmma64"}, hopper
+    # 32k x4: 132 row tiles (4 x 32 full + 4 few) fill the grid one a block; cheaper few-row tiles would split them
+    assert hopper.pop("kimi-tp8 ddtree64 4k") == "mma32" and hopper.pop("kimi-tp8 ddtree256 32k x4") == "wgmma64", hopper
+    assert set(hopper.values()) == {"wgmma64-few"}, hopper
     blackwell_dc = chosen("sm_100")
     assert blackwell_dc["kimi-tp8 small tree"] == blackwell_dc["kimi-tp8 ddtree64 4k"] == "mma32", blackwell_dc
     assert all(v == "mma64" for k, v in blackwell_dc.items() if any(s in k for s in ("8k x8", "32k", "128k", "kimi-dp"))), blackwell_dc
@@ -142,6 +148,39 @@ def test_balanced_split_moves_units_to_blocks_with_fewer_segments():
     assert balanced_split(many, 2, 5.0).tolist() == [0, 63, 90]  # 63 + 2 x 5 against 27 + 9 x 5
     tight = balanced_split(np.arange(0, 9), 8, 100.0)
     assert tight.tolist() == list(range(9))
+    # row tiles of cheaper units (few-row tiles): a block takes more of them for the same work
+    assert balanced_split(starts, 3, 5.0).tolist() == [0, 10, 20, 30]
+    assert balanced_split(starts, 3, 5.0, np.array([1.0, 1.0, 0.5])).tolist() == [0, 10, 18, 30]
+    assert balanced_split(starts, 2, 5.0).tolist() == [0, 15, 30]
+    assert balanced_split(starts, 2, 5.0, np.array([0.5, 1.0, 1.0])).tolist() == [0, 18, 30]
+
+
+def test_few_row_tiles_are_planned_cheaper_where_the_kernel_runs_them():
+    """The small tree's third row tile per request (node 16 x 8 heads: 8 rows) is a few-row tile on the wgmma
+    configuration: its units count FEW_UNIT_COST each in the plan's work, so blocks holding them take more units;
+    with few_rows 0, or on the mma.sync paths, every unit counts 1."""
+    import dataclasses
+
+    from kdtree.bench import CASES
+
+    cap = synthesize(next(c for c in CASES if c.name == "kimi-tp8 small tree").spec(), reference=False)
+    args, H = marshal(cap), cap.meta.num_heads
+    wg = KernelConfig.for_arch("sm_90")
+    assert wg.few_rows == 16
+    p = plan(args, H, 132, wg)
+    rows = np.minimum(64, cap.num_draft.numpy()[p.arrays["rt_request"].numpy()] * H - p.arrays["rt_row0"].numpy())
+    assert sorted(set(rows.tolist())) == [8, 64]
+    key_units = np.diff(p.arrays["rt_unit_start"].numpy())
+    assert p.work == pytest.approx(key_units[rows == 64].sum() + FEW_UNIT_COST * key_units[rows == 8].sum())
+    assert p.work < p.units
+    for off in (plan(args, H, 132, dataclasses.replace(wg, few_rows=0)), plan(args, H, 132, KernelConfig())):
+        assert off.work == off.units
+    # the blocks whose units are all few-row units hold more of them than the others' average
+    cta = p.arrays["cta_unit_start"].numpy()
+    few_units = np.repeat(rows == 8, key_units)
+    shares = np.diff(cta)
+    all_few = np.array([few_units[cta[c]:cta[c + 1]].all() for c in range(p.grid)])
+    assert all_few.any() and shares[all_few].mean() > 1.5 * shares[~all_few].mean()
 
 
 def test_bench_case_selection():
