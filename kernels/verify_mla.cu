@@ -311,13 +311,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   // ---- epilogue ----
   if (tid % THREADS_PER_ROW == 0) {
     sm.l_final[srow] = st.l;
-    if (srow_valid) {
-      if (out_o == nullptr) {
-        if (a.lse != nullptr) a.lse[grow0 + srow] = row_lse(st);
-      } else {
-        out_lse[srow] = row_lse(st);
-      }
-    }
+    if (srow_valid) store_row_lse(a, st, grow0, srow, out_o, out_lse);
   }
   __syncthreads();
   store_acc(acc, warp * PV_COLS, valid_rows, sm.l_final, a, grow0, out_o, lane);

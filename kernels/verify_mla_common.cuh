@@ -253,6 +253,17 @@ __device__ __forceinline__ float row_lse(const RowState& st) {
   return st.l > 0.f ? (st.m + log2f(st.l)) * LN2 : VMLA_NEG_INF;
 }
 
+// Row r's LSE: into lse (row grow0 + r; when asked for) for a tile one block wrote whole (out_o null), else
+// into its partial's out_lse[r].
+__device__ __forceinline__ void store_row_lse(const Args& a, const RowState& st, int64_t grow0, int r,
+                                              const float* out_o, float* out_lse) {
+  if (out_o == nullptr) {
+    if (a.lse != nullptr) a.lse[grow0 + r] = row_lse(st);
+  } else {
+    out_lse[r] = row_lse(st);
+  }
+}
+
 // Epilogue of one warp's accumulator (m16 tiles x n8 tiles of output columns from col0): rows r of the tile
 // (global row grow0 + r, valid while r < valid_rows) divided by their l (l_final[r]), as bf16 into o or, for a
 // split tile, as fp32 into the partial out_o[BM][512].

@@ -412,15 +412,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     st[h].l += __shfl_xor_sync(0xffffffffu, st[h].l, 1);
     st[h].l += __shfl_xor_sync(0xffffffffu, st[h].l, 2);
     const int r = r_lo + 8 * h;
-    if (wg == 0 && tig == 0) {
-      if (valid[h]) {
-        if (out_o == nullptr) {
-          if (a.lse != nullptr) a.lse[grow0 + r] = row_lse(st[h]);
-        } else {
-          out_lse[r] = row_lse(st[h]);
-        }
-      }
-    }
+    if (wg == 0 && tig == 0 && valid[h]) store_row_lse(a, st[h], grow0, r, out_o, out_lse);
     if (!valid[h]) continue;
     const float inv = st[h].l > 0.f ? 1.f / st[h].l : 0.f;
 #pragma unroll
@@ -507,9 +499,8 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
     ldmatrix_x4(qf[i], &sm.q[0][0][0] + swizzled<FEW_QROWS>(lane % 8 + ((lane / 8) % 2) * 8, 2 * (dq * FEW_KSTEPS + i) + lane / 16));
 
   RowState st;
-  float acc[8][4];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float acc[1][8][4];  // one m16 block x this warp's 8 n8 tiles of output columns
+  zero_frags(acc);
   const int k_key = kh * 16 + (lane / 16) * 8 + lane % 8, k_chunk = 2 * dq * FEW_KSTEPS + (lane / 8) % 2;  // K: 2 n8 tiles a load
   const int v_key = ((lane / 8) % 2) * 8 + lane % 8, v_chunk = warp * 8 + lane / 16;
 
@@ -551,14 +542,7 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
       if (scol == 0) row_alpha[srow] = alpha;
     }
     const bool moved = __syncthreads_or(alpha != 1.f);  // P and alpha visible; did any row move its max?
-    if (moved || !VMLA_RESCALE_SKIP) {
-      const float a_lo = row_alpha[g], a_hi = row_alpha[g + 8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        acc[i][0] *= a_lo; acc[i][1] *= a_lo;
-        acc[i][2] *= a_hi; acc[i][3] *= a_hi;
-      }
-    }
+    if (moved || !VMLA_RESCALE_SKIP) rescale_acc(acc, row_alpha, lane);
 #ifndef VMLA_SKIP_PV
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
@@ -568,8 +552,8 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
       for (int pr = 0; pr < 4; ++pr) {
         uint32_t vf[4];
         ldmatrix_x4_trans(vf, skv + swizzled<BN>(kk * 16 + v_key, v_chunk + 2 * pr));
-        mma_bf16(acc[2 * pr], pa, vf[0], vf[1]);
-        mma_bf16(acc[2 * pr + 1], pa, vf[2], vf[3]);
+        mma_bf16(acc[0][2 * pr], pa, vf[0], vf[1]);
+        mma_bf16(acc[0][2 * pr + 1], pa, vf[2], vf[3]);
       }
     }
 #endif
@@ -579,31 +563,10 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
   float* row_l = row_alpha + FEW_BM;
   if (soft && scol == 0) {
     row_l[srow] = st.l;
-    if (srow_valid) {
-      if (out_o == nullptr) {
-        if (a.lse != nullptr) a.lse[grow0 + srow] = row_lse(st);
-      } else {
-        out_lse[srow] = row_lse(st);
-      }
-    }
+    if (srow_valid) store_row_lse(a, st, grow0, srow, out_o, out_lse);
   }
   __syncthreads();
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = g + 8 * h;
-    if (r >= valid_rows) continue;
-    const float l = row_l[r], inv = l > 0.f ? 1.f / l : 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int c = warp * 64 + i * 8 + tig * 2;
-      const float v0 = acc[i][2 * h] * inv, v1 = acc[i][2 * h + 1] * inv;
-      if (out_o == nullptr) {
-        *reinterpret_cast<__nv_bfloat162*>(&a.o[(grow0 + r) * VMLA_VDIM + c]) = __floats2bfloat162_rn(v0, v1);
-      } else {
-        *reinterpret_cast<float2*>(&out_o[r * VMLA_VDIM + c]) = make_float2(v0, v1);
-      }
-    }
-  }
+  store_acc(acc, warp * 64, valid_rows, row_l, a, grow0, out_o, lane);
   merge(grow0, valid_rows);
   cp_async_wait_all();
   __syncthreads();
