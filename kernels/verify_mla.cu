@@ -177,13 +177,10 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   const __nv_bfloat16* __restrict__ q = a.q;
   const __nv_bfloat16* __restrict__ kv_buffer = a.kv_buffer;
   const int num_heads = a.num_heads;
-  const int q0 = a.qo_indptr[b];
-  const int rows = (a.qo_indptr[b + 1] - q0) * num_heads;
-  const int kv_start = a.kv_indptr[b];
-  const int prefix = a.prefix_lens[b];
-  const int* kv_idx = a.kv_indices + kv_start;
-  const int64_t grow0 = static_cast<int64_t>(q0) * num_heads + row0;  // global row of this block's first row
-  const int valid_rows = rows - row0;  // rows of this tile are valid below it (< BM in a request's last row tile)
+  const SegmentRows seg(a, b, row0);
+  const int q0 = seg.q0, rows = seg.rows, prefix = seg.prefix, valid_rows = seg.valid_rows;
+  const int* kv_idx = seg.kv_idx;
+  const int64_t grow0 = seg.grow0;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 

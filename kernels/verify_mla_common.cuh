@@ -155,6 +155,20 @@ __device__ __forceinline__ uint32_t visible_keys(const Args& a, int key0, int k_
   return bits;
 }
 
+// What a segment (rows [row0, row0 + BM) of request b) needs of its request.
+struct SegmentRows {
+  int q0;              // the request's first token
+  int rows;            // its rows (tokens x heads)
+  int prefix;          // its prefix length (keys below it are always visible)
+  const int* kv_idx;   // its combined slot list (prefix kv_indices ++ out_cache_loc)
+  int64_t grow0;       // global row (token * H + head) of the segment's first row
+  int valid_rows;      // rows of the segment below this are real (< BM in a request's last row tile)
+  __device__ __forceinline__ SegmentRows(const Args& a, int b, int row0)
+      : q0(a.qo_indptr[b]), rows((a.qo_indptr[b + 1] - q0) * a.num_heads), prefix(a.prefix_lens[b]),
+        kv_idx(a.kv_indices + a.kv_indptr[b]), grow0(static_cast<int64_t>(q0) * a.num_heads + row0),
+        valid_rows(rows - row0) {}
+};
+
 // One row's state in the online softmax (m in the log2 domain).
 struct RowState {
   float m = VMLA_NEG_INF, l = 0.f;

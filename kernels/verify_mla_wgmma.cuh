@@ -208,12 +208,10 @@ template <class Merge>
 __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
                                                float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
   const int num_heads = a.num_heads;
-  const int q0 = a.qo_indptr[b];
-  const int rows = (a.qo_indptr[b + 1] - q0) * num_heads;
-  const int prefix = a.prefix_lens[b];
-  const int* kv_idx = a.kv_indices + a.kv_indptr[b];
-  const int64_t grow0 = static_cast<int64_t>(q0) * num_heads + row0;
-  const int valid_rows = rows - row0;
+  const SegmentRows seg(a, b, row0);
+  const int q0 = seg.q0, rows = seg.rows, prefix = seg.prefix, valid_rows = seg.valid_rows;
+  const int* kv_idx = seg.kv_idx;
+  const int64_t grow0 = seg.grow0;
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4, tig = lane % 4;
   const int num_tiles = (k_end - k_begin + BN - 1) / BN;
 
@@ -464,12 +462,10 @@ template <class Merge>
 __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
                                                    float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
   const int num_heads = a.num_heads;
-  const int q0 = a.qo_indptr[b];
-  const int rows = (a.qo_indptr[b + 1] - q0) * num_heads;
-  const int prefix = a.prefix_lens[b];
-  const int* kv_idx = a.kv_indices + a.kv_indptr[b];
-  const int64_t grow0 = static_cast<int64_t>(q0) * num_heads + row0;
-  const int valid_rows = rows - row0;
+  const SegmentRows seg(a, b, row0);
+  const int q0 = seg.q0, rows = seg.rows, prefix = seg.prefix, valid_rows = seg.valid_rows;
+  const int* kv_idx = seg.kv_idx;
+  const int64_t grow0 = seg.grow0;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
   const int kh = warp % 2, dq = warp / 2;  // QK: this warp's key half (2 n8 tiles) and dim quarter
   const int num_tiles = (k_end - k_begin + BN - 1) / BN;
