@@ -104,13 +104,13 @@ def test_header_changes_change_the_source_hash(kernel_copy):
 
 
 def test_compile_errors_quote_the_offending_line(kernel_copy):
-    text = kernel_copy.read_text().replace("const int q0 = a.qo_indptr[b];", "const int q0 = a.qo_indptr[b] +;", 1)
+    text = kernel_copy.read_text().replace("const int b = rt_request[rt];", "const int b = rt_request[rt] +;", 1)
     kernel_copy.write_text(text)
     with pytest.raises(KernelCompileError) as e:
         nvrtc_compile("sm_120", source=kernel_copy)
     msg = str(e.value)
     assert "verify_mla.cu(" in msg and "error" in msg
-    assert "| " in msg and "a.qo_indptr[b] +;" in msg  # the source line, quoted under the error
+    assert "| " in msg and "rt_request[rt] +;" in msg  # the source line, quoted under the error
 
 
 @pytest.mark.parametrize("stages,pipe", [(2, 0), (3, 0), (3, 1), (3, 2)], ids=["2-stages", "3-stages", "pipelined", "pipelined-p-smem"])
