@@ -462,11 +462,7 @@ __device__ __forceinline__ int swizzled(int r, int c) { return ((c / 8) * ROWS +
 template <class Merge>
 __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
                                                    float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
-  const int num_heads = a.num_heads;
   const SegmentRows seg(a, b, row0);
-  const int q0 = seg.q0, rows = seg.rows, prefix = seg.prefix, valid_rows = seg.valid_rows;
-  const int* kv_idx = seg.kv_idx;
-  const int64_t grow0 = seg.grow0;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
   const int kh = warp % 2, dq = warp / 2;  // QK: this warp's key half (2 n8 tiles) and dim quarter
   const int num_tiles = (k_end - k_begin + BN - 1) / BN;
@@ -475,12 +471,12 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
   __nv_bfloat16* p = &sm.p[0][0][0]; // [FEW_BM][P_STRIDE]
   // softmax threads (tid < 128): row srow, keys [scol, scol + 4)
   const int srow = tid / FEW_TPR, scol = (tid % FEW_TPR) * FEW_COLS;
-  const bool soft = tid < FEW_BM * FEW_TPR, srow_valid = soft && srow < valid_rows;
-  const int stoken = q0 + (srow_valid ? (row0 + srow) / num_heads : 0);
+  const bool soft = tid < FEW_BM * FEW_TPR, srow_valid = soft && srow < seg.valid_rows;
+  const int stoken = seg.q0 + (srow_valid ? (row0 + srow) / a.num_heads : 0);
 
-  gather_swizzled<FEW_QROWS>(&sm.q[0][0][0], [&](int r) { return row0 + r < rows ? a.q + (grow0 + r) * VMLA_DIM : nullptr; }, a.q);
+  gather_swizzled<FEW_QROWS>(&sm.q[0][0][0], [&](int r) { return row0 + r < seg.rows ? a.q + (seg.grow0 + r) * VMLA_DIM : nullptr; }, a.q);
 #pragma unroll
-  for (int j = 0; j < FEW_SLOT_AHEAD; ++j) load_tile_slots(sm.idx[j], kv_idx, k_begin + j * BN, k_end);
+  for (int j = 0; j < FEW_SLOT_AHEAD; ++j) load_tile_slots(sm.idx[j], seg.kv_idx, k_begin + j * BN, k_end);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
@@ -509,7 +505,7 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
     {
       const int ahead = t + FEW_LOAD_AHEAD;
       if (ahead < num_tiles) load_kv_tile(sm, ahead % VMLA_STAGES, ahead % IDX_RING, a.kv_buffer, k_begin + ahead * BN, k_end);
-      load_tile_slots(sm.idx[(t + FEW_SLOT_AHEAD) % IDX_RING], kv_idx, k_begin + (t + FEW_SLOT_AHEAD) * BN, k_end);
+      load_tile_slots(sm.idx[(t + FEW_SLOT_AHEAD) % IDX_RING], seg.kv_idx, k_begin + (t + FEW_SLOT_AHEAD) * BN, k_end);
       cp_async_commit();
     }
     const __nv_bfloat16* skv = &sm.kv[stage][0][0][0];
@@ -535,7 +531,7 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
       float x[FEW_COLS];
       sum_partials<FEW_COLS, FEW_DSPLIT>(x, &part[srow * SX_STRIDE + scol], FEW_BM * SX_STRIDE);
       alpha = softmax_step<FEW_COLS, FEW_TPR>(st, x, p + srow * P_STRIDE + scol, a, k_begin + t * BN + scol, k_end,
-                                              prefix, srow_valid, stoken);
+                                              seg.prefix, srow_valid, stoken);
       if (scol == 0) row_alpha[srow] = alpha;
     }
     const bool moved = __syncthreads_or(alpha != 1.f);  // P and alpha visible; did any row move its max?
@@ -560,11 +556,11 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
   float* row_l = row_alpha + FEW_BM;
   if (soft && scol == 0) {
     row_l[srow] = st.l;
-    if (srow_valid) store_row_lse(a, st, grow0, srow, out_o, out_lse);
+    if (srow_valid) store_row_lse(a, st, seg.grow0, srow, out_o, out_lse);
   }
   __syncthreads();
-  store_acc(acc, warp * 64, valid_rows, row_l, a, grow0, out_o, lane);
-  merge(grow0, valid_rows);
+  store_acc(acc, warp * 64, seg.valid_rows, row_l, a, seg.grow0, out_o, lane);
+  merge(seg.grow0, seg.valid_rows);
   cp_async_wait_all();
   __syncthreads();
 }
