@@ -109,6 +109,11 @@ __device__ __forceinline__ void wgmma_pv_ss(float (&acc)[PV_N / 8][4], uint64_t 
 #undef VMLA_ACC8
 #undef VMLA_D128
 
+// Element offset of 16-byte chunk c (of 72) of row r in swizzled atoms of ROWS rows: atom c / 8 at ROWS * 64
+// elements a step, chunk c % 8 of the row at (c % 8) ^ (r % 8).
+template <int ROWS>
+__device__ __forceinline__ int swizzled(int r, int c) { return ((c / 8) * ROWS + r) * 64 + (((c % 8) ^ (r % 8)) * 8); }
+
 // Copy ROWS rows of 576 bf16 into swizzled atoms (dst = atom 0 of ROWS rows; atom a at dst + a * ROWS * 64):
 // NUM_THREADS / ROWS threads a row, 16-byte cp.async each; rows where row_src is null are zero-filled.
 template <int ROWS, class RowSrc>
@@ -119,8 +124,8 @@ __device__ __forceinline__ void gather_swizzled(__nv_bfloat16* dst, RowSrc row_s
   const __nv_bfloat16* src = row_src(r);
 #pragma unroll
   for (int i = 0; i < CHUNKS / TPR; ++i) {
-    const int c = j + i * TPR, atom = c / 8, cc = c % 8;
-    cp_async_16(dst + (atom * ROWS + r) * 64 + ((cc ^ (r % 8)) * 8), src != nullptr ? src + c * 8 : fallback, src != nullptr);
+    const int c = j + i * TPR;
+    cp_async_16(dst + swizzled<ROWS>(r, c), src != nullptr ? src + c * 8 : fallback, src != nullptr);
   }
 }
 
@@ -429,7 +434,6 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   __syncthreads();
 }
 
-
 // ---- few-row tiles (VMLA_FEW_ROWS) ----
 // A row tile of at most 16 rows - a request's last, such as the small tree's node 16 x 8 heads - costs a 64-row
 // wgmma tile the full price (the H200 times a tile at ~1.9 us whatever its real rows). Such a tile runs this
@@ -454,10 +458,6 @@ static_assert(FEW_SLOT_AHEAD + 1 <= IDX_RING, "the slot-id ring holds the ids re
 static_assert(FEW_BM * P_STRIDE <= 2 * BM * BN, "P fits the P buffers");
 static_assert(FEW_DSPLIT * 2 == VMLA_WARPS && FEW_BM * FEW_TPR <= NUM_THREADS, "warps = dim quarters x key halves");
 static_assert(FEW_DSPLIT * FEW_BM <= 2 * BM, "the partial scores fit the exchange buffer");
-
-// element offset of 16-byte chunk c (of 72) of row r in swizzled atoms of ROWS rows (gather_swizzled's layout)
-template <int ROWS>
-__device__ __forceinline__ int swizzled(int r, int c) { return ((c / 8) * ROWS + r) * 64 + (((c % 8) ^ (r % 8)) * 8); }
 
 template <class Merge>
 __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
