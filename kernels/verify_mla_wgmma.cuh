@@ -207,6 +207,25 @@ __device__ __forceinline__ void issue_qk(float (&s)[NT][4], Smem& sm, int stage,
   if (wg == 0) issue_qk<0>(s, dq, dk); else issue_qk<1>(s, dq, dk);
 }
 
+// A segment's first loads: its Q rows (QROWS, swizzled; rows past the request zero-filled) and the slot ids of
+// its first SLOTS tiles as one cp.async group, waited for; then the rows of its first LOADS tiles, a group each.
+template <int QROWS, int SLOTS, int LOADS>
+__device__ __forceinline__ void start_segment(Smem& sm, const Args& a, const SegmentRows& seg, int row0, int k_begin,
+                                              int k_end, int num_tiles) {
+  gather_swizzled<QROWS>(&sm.q[0][0][0], [&](int r) { return row0 + r < seg.rows ? a.q + (seg.grow0 + r) * VMLA_DIM : nullptr; }, a.q);
+#pragma unroll
+  for (int j = 0; j < SLOTS; ++j) load_tile_slots(sm.idx[j], seg.kv_idx, k_begin + j * BN, k_end);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();  // slot ids of the first tiles in shared memory (Q may still be landing: see the loop)
+  VMLA_MARK(1);
+#pragma unroll
+  for (int j = 0; j < LOADS; ++j) {  // one commit group per tile
+    if (j < num_tiles) load_kv_tile(sm, j, j, a.kv_buffer, k_begin + j * BN, k_end);
+    cp_async_commit();
+  }
+}
+
 // One segment: rows [row0, row0 + 64) of request b against its keys [k_begin, k_end). Writes o/lse (out_o null)
 // or the fp32 partial out_o[64][512], out_lse[64] normalised by its own sum.
 template <class Merge>
@@ -220,18 +239,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4, tig = lane % 4;
   const int num_tiles = (k_end - k_begin + BN - 1) / BN;
 
-  gather_swizzled<BM>(&sm.q[0][0][0], [&](int r) { return row0 + r < rows ? a.q + (grow0 + r) * VMLA_DIM : nullptr; }, a.q);
-#pragma unroll
-  for (int j = 0; j < SLOT_AHEAD; ++j) load_tile_slots(sm.idx[j], kv_idx, k_begin + j * BN, k_end);
-  cp_async_commit();
-  cp_async_wait_all();
-  __syncthreads();  // slot ids of the first tiles in shared memory (Q may still be landing: see the loop)
-  VMLA_MARK(1);
-#pragma unroll
-  for (int j = 0; j < LOAD_AHEAD; ++j) {  // one commit group per tile
-    if (j < num_tiles) load_kv_tile(sm, j, j, a.kv_buffer, k_begin + j * BN, k_end);
-    cp_async_commit();
-  }
+  start_segment<BM, SLOT_AHEAD, LOAD_AHEAD>(sm, a, seg, row0, k_begin, k_end, num_tiles);
 
   // this thread's two rows (tile rows r_lo, r_lo + 8) and their tokens
   const int r_lo = warp * 16 + g;
@@ -474,18 +482,7 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
   const bool soft = tid < FEW_BM * FEW_TPR, srow_valid = soft && srow < seg.valid_rows;
   const int stoken = seg.q0 + (srow_valid ? (row0 + srow) / a.num_heads : 0);
 
-  gather_swizzled<FEW_QROWS>(&sm.q[0][0][0], [&](int r) { return row0 + r < seg.rows ? a.q + (seg.grow0 + r) * VMLA_DIM : nullptr; }, a.q);
-#pragma unroll
-  for (int j = 0; j < FEW_SLOT_AHEAD; ++j) load_tile_slots(sm.idx[j], seg.kv_idx, k_begin + j * BN, k_end);
-  cp_async_commit();
-  cp_async_wait_all();
-  __syncthreads();
-  VMLA_MARK(1);
-#pragma unroll
-  for (int j = 0; j < FEW_LOAD_AHEAD; ++j) {
-    if (j < num_tiles) load_kv_tile(sm, j, j, a.kv_buffer, k_begin + j * BN, k_end);
-    cp_async_commit();
-  }
+  start_segment<FEW_QROWS, FEW_SLOT_AHEAD, FEW_LOAD_AHEAD>(sm, a, seg, row0, k_begin, k_end, num_tiles);
   uint32_t qf[FEW_KSTEPS][4];  // this warp's Q fragments (rows 0-15, its dim quarter)
 #pragma unroll
   for (int i = 0; i < FEW_KSTEPS; ++i)
