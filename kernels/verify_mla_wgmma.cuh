@@ -233,7 +233,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
                                                float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
   const int num_heads = a.num_heads;
   const SegmentRows seg(a, b, row0);
-  const int q0 = seg.q0, rows = seg.rows, prefix = seg.prefix, valid_rows = seg.valid_rows;
+  const int q0 = seg.q0, prefix = seg.prefix, valid_rows = seg.valid_rows;
   const int* kv_idx = seg.kv_idx;
   const int64_t grow0 = seg.grow0;
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4, tig = lane % 4;
