@@ -116,7 +116,7 @@ def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
     o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(T, H, device="cuda")
     fn = cycling(sets, lambda q, pool: kern.launch(p, dev, q, pool, o, lse, ws))
-    info = {"grid": p.grid, "units": p.units, "segments": p.segments, "bm": p.config.bm, "wgmma": p.config.wgmma, "few_rows": p.config.few_rows, "smem": p.config.smem_bytes}
+    info = {"grid": p.grid, "units": p.units, "segments": p.segments, "bm": p.config.bm, "wgmma": p.config.wgmma, "few_rows": p.config.few_row_limit, "smem": p.config.smem_bytes}
     return fn, o, info
 
 

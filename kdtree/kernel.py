@@ -143,6 +143,11 @@ class KernelConfig:
         }
 
     @property
+    def few_row_limit(self) -> int:
+        """Row tiles of at most this many rows run the few-row segment (only the wgmma body has one)."""
+        return self.few_rows if self.wgmma else 0
+
+    @property
     def threads(self) -> int:
         return self.warps * 32
 
@@ -323,7 +328,7 @@ def parse_ptxas(log: str, arch: str, config: KernelConfig) -> list[KernelResourc
             dynamic_smem=config.smem_bytes if fwd else 0,
             threads=config.threads if fwd else 128,
             bm=config.bm,
-            few_rows=config.few_rows if config.wgmma else 0,
+            few_rows=config.few_row_limit,
         )
         limits = ARCH_LIMITS.get(arch)
         # ptxas serialised this function's warpgroup MMAs (every wgmma waited for before the next: on the H200 a
@@ -462,8 +467,7 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
     units = int(rt_unit_start[-1])
     grid = max(1, min(num_sms * config.blocks_per_sm, units))
     tile_rows = np.minimum(config.bm, n[rt_request] * num_heads - rt_row0)
-    few = (tile_rows <= config.few_rows) if config.wgmma else np.zeros(len(rt_request), dtype=bool)
-    rt_weight = np.where(few, few_unit_cost, 1.0)
+    rt_weight = np.where(tile_rows <= config.few_row_limit, few_unit_cost, 1.0)
     cta_unit_start = balanced_split(rt_unit_start, grid, SEGMENT_OVERHEAD_UNITS if segment_units is None else segment_units,
                                     rt_weight)
     cta_first_rt = np.searchsorted(rt_unit_start, cta_unit_start[:-1], side="right") - 1
@@ -498,7 +502,7 @@ def plan(args: VerifyArgs, num_heads: int, num_sms: int, config: KernelConfig, *
         mask_words=int(args.tree_mask.shape[1]),
         grid=grid,
         units=units,
-        work=float((np.diff(rt_unit_start) * rt_weight).sum()),
+        work=float(key_tiles[rt_request] @ rt_weight),
         segments=int(rt_seg_base[-1]),
         fused_merge=fused_merge and bool(rt_seg_base[-1] > 0),
         config=config,
