@@ -449,7 +449,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
 // of the kernel's wgmmas is under a branch ptxas cannot prove warpgroup-uniform). Same arithmetic contract as
 // the 64-row segment (fp32 scores and accumulators, bf16 P, the mma.sync path's softmax step); not the same bits.
 // Each shared byte is read about once (the first cut, which reloaded Q every tile and had every warp sum all
-// partial scores, read ~212 KB a tile and cost ~0.8 of a 64-row unit on the H200; this one ~121 KB and ~0.6):
+// partial scores, read ~212 KB a tile by count and cost ~0.8 of a 64-row unit on the H200; this one ~121 KB, ~0.6):
 //   QK:  warp w scores keys [16 (w % 2), +16) over dims [144 (w / 2), +144): 9 k16 steps with its Q fragments
 //        in registers (loaded once a segment) and K by ldmatrix (two n8 tiles a load).
 //   softmax: the four dim quarters summed by 128 threads (8 a row, 4 keys each), P (bf16) and alpha to shared
