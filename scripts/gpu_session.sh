@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
-# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|quick|test|bench|variants|notebooks|all] ...
+# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|quick|test|bench|variants|notebooks|sglang|sglang-captures|all] ...
 # (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;
 #  quick: the shipped captures, the fused merge and determinism tests only)
 set -uo pipefail
@@ -9,6 +9,8 @@ mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then   # carried wheels (SGLang and what its import chain needs)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
+elif [ -f .whl/site312.tar.xz ]; then    # ... or those wheels installed here for cp312 and packed (xz: 15 MB, not 26)
+  mkdir -p /tmp/site && tar -xJf .whl/site312.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.txt" 2>&1
@@ -29,5 +31,9 @@ for w in "$@"; do
     test) step test-gpu 480 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
     variants) step variants 300 python3 scripts/variants.py ;;
     notebooks) step notebooks 420 python3 -m pytest -q -rs tests/test_notebooks.py ;;
+    sglang) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1  # the plugin's entry point
+            step sglang-imports 300 python3 scripts/sglang_imports.py
+            step test-sglang 540 python3 -m pytest -q -rs tests/test_sglang_gpu.py ;;
+    sglang-captures) step sglang-captures 300 python3 scripts/sglang_captures.py "$OUT" ;;
   esac
 done

@@ -1,0 +1,100 @@
+"""What the kdtree backend does, from environment variables (read once, when SGLang builds the backend).
+
+| variable | meaning | default |
+|---|---|---|
+| `KDTREE_MODE` | `serve` (kdtree's output is the layer's), `shadow` (Triton's is served; kdtree runs beside it and the diff is printed), `capture` (Triton's is served and written, with its inputs, as capture files), `triton` (Triton only) | `serve` |
+| `KDTREE_LAYERS` | layers that shadow prints and capture writes: `all`, or ids and ranges (`0,30-32,58`) | `all` |
+| `KDTREE_RANKS` | TP ranks that print and capture: `all` or ids | `0` |
+| `KDTREE_EVERY` | every K-th verify step (0, K, 2K, ...) | `1` |
+| `KDTREE_TOLERANCE` | shadow's rel beyond which the worst request/node/head is printed too | `5e-3` |
+| `KDTREE_CAPTURE_DIR` | where capture mode writes | `kdtree-captures` |
+| `KDTREE_CAPTURE_MAX_FILES` | capture mode stops after this many files | `16` |
+| `KDTREE_CAPTURE_MAX_BYTES` | ... or before the files would pass this many bytes (suffixes K, M, G) | `1G` |
+
+A value that does not parse raises `SettingsError` naming the variable, when the server starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+MODES = ("serve", "shadow", "capture", "triton")
+
+
+class SettingsError(ValueError):
+    """An environment variable kdtree reads has a value it cannot use."""
+
+
+def _id_set(name: str, raw: str) -> frozenset[int] | None:
+    """`all` -> None (every id); `0,30-32` -> {0, 30, 31, 32}."""
+    raw = raw.strip()
+    if raw == "all":
+        return None
+    ids: set[int] = set()
+    for part in raw.split(","):
+        part = part.strip()
+        try:
+            lo, _, hi = part.partition("-")
+            a, b = int(lo), int(hi) if hi else int(lo)
+        except ValueError:
+            raise SettingsError(f"{name}={raw!r}: expected 'all' or ids and ranges such as 0,30-32") from None
+        if a < 0 or b < a:
+            raise SettingsError(f"{name}={raw!r}: {part!r} is not a range of ids >= 0")
+        ids.update(range(a, b + 1))
+    return frozenset(ids)
+
+
+def _number(name: str, raw: str, kind=int, minimum=0):
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r}: expected a {'whole ' if kind is int else ''}number") from None
+    if value < minimum:
+        raise SettingsError(f"{name}={raw!r}: must be >= {minimum}")
+    return value
+
+
+def _bytes(name: str, raw: str) -> int:
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(raw.strip()[-1:].upper(), 1)
+    digits = raw.strip()[:-1] if scale > 1 else raw.strip()
+    return int(_number(name, digits, float, 1) * scale)
+
+
+@dataclass(frozen=True)
+class Settings:
+    mode: str = "serve"
+    layers: frozenset[int] | None = None  # None: all
+    ranks: frozenset[int] | None = frozenset({0})
+    every: int = 1
+    tolerance: float = 5e-3
+    capture_dir: Path = Path("kdtree-captures")
+    capture_max_files: int = 16
+    capture_max_bytes: int = 2**30
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if env is None else env
+        mode = env.get("KDTREE_MODE", "serve").strip().lower()
+        if mode not in MODES:
+            raise SettingsError(f"KDTREE_MODE={mode!r}: expected one of {', '.join(MODES)}")
+        return cls(
+            mode=mode,
+            layers=_id_set("KDTREE_LAYERS", env.get("KDTREE_LAYERS", "all")),
+            ranks=_id_set("KDTREE_RANKS", env.get("KDTREE_RANKS", "0")),
+            every=_number("KDTREE_EVERY", env.get("KDTREE_EVERY", "1"), int, 1),
+            tolerance=_number("KDTREE_TOLERANCE", env.get("KDTREE_TOLERANCE", "5e-3"), float, 0),
+            capture_dir=Path(env.get("KDTREE_CAPTURE_DIR", "kdtree-captures")),
+            capture_max_files=_number("KDTREE_CAPTURE_MAX_FILES", env.get("KDTREE_CAPTURE_MAX_FILES", "16"), int, 1),
+            capture_max_bytes=_bytes("KDTREE_CAPTURE_MAX_BYTES", env.get("KDTREE_CAPTURE_MAX_BYTES", "1G")),
+        )
+
+    def watches(self, step: int, layer_id: int, rank: int) -> bool:
+        """Whether shadow prints / capture writes this step's layer on this rank."""
+        return (
+            step % self.every == 0
+            and (self.layers is None or layer_id in self.layers)
+            and (self.ranks is None or rank in self.ranks)
+        )

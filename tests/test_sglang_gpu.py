@@ -1,0 +1,131 @@
+"""The kdtree backend inside SGLang, tested the way SGLang tests its own backends: SGLang 0.5.23's attention test
+kit (real ForwardBatch, ReqToTokenPool, MLATokenToKVPool, EagleVerifyInput; its MLA module and reference) with
+`backend="kdtree"`, on a GPU where SGLang imports (`scripts/gpu_session.sh sglang`).
+
+`sgl_kernel` cannot be installed there: `tests/sglang_harness` stands in for it (its docstring lists the names
+it provides and their answers). The kdtree backend, SGLang's code and the kit are the real ones.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None:
+    pytest.skip("needs a CUDA GPU and SGLang (scripts/gpu_session.sh sglang)", allow_module_level=True)
+
+from sglang_harness import install_sgl_kernel_shim  # noqa: E402
+
+install_sgl_kernel_shim()
+
+from sglang.srt.plugins import load_plugins  # noqa: E402
+
+load_plugins()
+
+from sglang.test.kits.attention_unittest.runner_modes.speculative_target_verify_runner import (  # noqa: E402
+    run_mla_eagle_verify_case,
+)
+
+from kdtree import load  # noqa: E402
+from kdtree.diff import diff_capture  # noqa: E402
+from kdtree.sglang import kit  # noqa: E402
+from kdtree.sglang.backend import KdtreeAttnBackend  # noqa: E402
+from kdtree.trees import chain, make_tree  # noqa: E402
+
+KIMI_SCALING = 0.130861
+LINE = re.compile(r"^\[kdtree\] L(\d+) max_abs_diff=(\S+) mean=(\S+) rel=(\S+)")
+
+
+def trees(kind: str, n: int, count: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [chain(n) if kind == "chain" else make_tree(kind, n, rng) for _ in range(count)]
+
+
+def test_plugin_registers_the_backend_and_the_server_accepts_it():
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import ServerArgs
+
+    assert "kdtree" in ATTENTION_BACKEND_CHOICES
+    assert ATTENTION_BACKENDS["kdtree"].__module__ == "kdtree.sglang.plugin"
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "unused", "--attention-backend", "kdtree"])
+    assert args.attention_backend == "kdtree"
+
+
+@pytest.mark.parametrize("topk,num_draft", [(1, 4), (2, 3)], ids=["chain", "tree"])
+@pytest.mark.parametrize("backend", ["kdtree", "triton"])
+def test_kit_target_verify_cases(backend, topk, num_draft):
+    """The kit's own MLA target-verify runner at 512/64/bf16 against its reference (kdtree and Triton alike)."""
+    before = KdtreeAttnBackend.kdtree_calls
+    case = kit.verify_case(f"mla_verify_{backend}_{topk}", backend, (5, 17, 40), num_draft, 8)
+    run_mla_eagle_verify_case(kit.KitTestCase(), case, topk=topk, max_context_len=64, **kit.MLA_DIMS)
+    assert (KdtreeAttnBackend.kdtree_calls > before) == (backend == "kdtree")
+
+
+CASES = [  # (kind, N, prefixes, heads, page size)
+    ("ddtree", 17, (0, 1, 2048, 37, 3000, 5, 700, 1, 0, 64, 1500, 9, 4096, 33, 250, 2), 8, 1),
+    ("ddtree", 65, (0, 1, 3000, 500), 16, 1),
+    ("ddtree", 257, (1, 2500), 64, 1),
+    ("eagle", 17, (5, 40, 700), 8, 16),
+    ("chain", 16, (100, 2000, 0), 8, 1),
+]
+
+
+@pytest.mark.parametrize("kind,n,prefixes,heads,page", CASES, ids=lambda v: str(v) if not isinstance(v, tuple) else f"bs{len(v)}")
+def test_ddtree_cases_match_the_kit_reference_and_triton(kind, n, prefixes, heads, page):
+    before = KdtreeAttnBackend.kdtree_calls
+    case = kit.verify_case(f"kdtree_{kind}_{n}", "kdtree", prefixes, n, heads, page)
+    run = kit.run_verify(case, trees(kind, n, len(prefixes)), scaling=KIMI_SCALING, with_triton=True)
+    assert KdtreeAttnBackend.kdtree_calls > before, "kdtree fell back to Triton"
+    torch.testing.assert_close(run.actual, run.expected, atol=3e-2, rtol=3e-2)
+    r = kit.rel(run.attn["backend"], run.attn["triton"])
+    assert r <= 5e-3, r
+
+
+def test_shadow_mode_prints_the_layer_line(monkeypatch, capsys):
+    monkeypatch.setenv("KDTREE_MODE", "shadow")
+    case = kit.verify_case("kdtree_shadow", "kdtree", (300, 1, 1200), 17, 8)
+    run = kit.run_verify(case, trees("ddtree", 17, 3), scaling=KIMI_SCALING, with_triton=True, steps=3)
+    lines = [m for m in map(LINE.match, capsys.readouterr().out.splitlines()) if m]
+    assert len(lines) == 3 and all(m.group(1) == "0" for m in lines)
+    assert all(float(m.group(4)) <= 5e-3 for m in lines), lines
+    assert torch.equal(run.attn["backend"], run.attn["triton"]), "shadow mode must serve Triton's output"
+
+
+def test_capture_mode_writes_files_that_validate_and_diff_clean(monkeypatch, tmp_path):
+    monkeypatch.setenv("KDTREE_MODE", "capture")
+    monkeypatch.setenv("KDTREE_CAPTURE_DIR", str(tmp_path))
+    monkeypatch.setenv("KDTREE_CAPTURE_MAX_FILES", "2")
+    case = kit.verify_case("kdtree_capture", "kdtree", (64, 900), 17, 8)
+    run = kit.run_verify(case, trees("ddtree", 17, 2), scaling=KIMI_SCALING, with_triton=True, steps=3)
+    assert torch.equal(run.attn["backend"], run.attn["triton"])
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert [f.name for f in files] == ["step000000-L0-tp0.safetensors", "step000001-L0-tp0.safetensors"]
+    for f in files:
+        cap = load(f)
+        assert cap.meta.source["kind"] == "sglang" and cap.meta.sm_scale == pytest.approx(KIMI_SCALING)
+        for d in diff_capture(cap, "cuda", "capture", tolerance=5e-3) + diff_capture(cap, "cuda", "oracle", tolerance=5e-3):
+            assert d.passed, d.line()
+
+
+def test_capture_into_an_unwritable_place_logs_once_and_serving_goes_on(monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("KDTREE_MODE", "capture")
+    monkeypatch.setenv("KDTREE_CAPTURE_DIR", str(blocker / "captures"))
+    case = kit.verify_case("kdtree_capture_blocked", "kdtree", (10, 20), 8, 8)
+    with caplog.at_level("WARNING", logger="kdtree"):
+        run = kit.run_verify(case, trees("ddtree", 8, 2), with_triton=True, steps=3)
+    assert torch.equal(run.attn["backend"], run.attn["triton"])
+    stopped = [r for r in caplog.records if "capture stopped" in r.getMessage()]
+    assert len(stopped) == 1 and str(blocker) in stopped[0].getMessage()
+    torch.testing.assert_close(run.actual, run.expected, atol=3e-2, rtol=3e-2)
