@@ -1,12 +1,10 @@
 """Which names SGLang's import chain asks of `sgl_kernel` (for the test harness's shim): imports the Triton
 backend, the MLA pool, the attention test kit, the plugin loader and the server argument parser with the shim
-in discovery mode, and prints the names asked for. Run where SGLang is importable and sgl_kernel is not."""
+and prints the names asked of it. Run where SGLang is importable and sgl_kernel is not."""
 
-import os
 import sys
 from pathlib import Path
 
-os.environ["KDTREE_SGL_KERNEL_DISCOVER"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import sglang_harness  # noqa: E402

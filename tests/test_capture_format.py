@@ -13,16 +13,20 @@ from conftest import SHIPPED, sha, small, write_raw
 def test_shipped_captures_load_and_fit_the_size_budget():
     assert len(SHIPPED) >= 6
     assert sum(p.stat().st_size for p in SHIPPED) <= 40e6
-    for p in SHIPPED:
-        cap = load(p)
-        assert cap.meta.source["kind"] == "synthetic"
+    kinds = {p.stem: load(p).meta.source["kind"] for p in SHIPPED}
+    assert {k for k, v in kinds.items() if v == "sglang"} == {"sglang-ddtree17", "sglang-chain16"}
+    assert set(kinds.values()) == {"sglang", "synthetic"}
 
 
 def test_shipped_captures_cover_the_cases_the_issue_names():
     caps = [load(p) for p in SHIPPED]
     algos = {c.meta.spec_algorithm for c in caps}
-    assert {"EAGLE", "DDTREE", "DFLASH"} <= algos
-    assert any(c.meta.spec_algorithm == "EAGLE" and c.batch_size == 16 for c in caps)
+    assert {"EAGLE", "DDTREE"} <= algos
+    from_sglang = [c for c in caps if c.meta.source["kind"] == "sglang"]
+    assert any(c.meta.reference.startswith("sglang:triton") and c.meta.sm_scale == 0.130861 for c in from_sglang)
+    # a tree with branches and a causal chain, both from SGLang
+    assert any(bool((c.tree_block(0) == torch.tril(torch.ones_like(c.tree_block(0)))).all()) for c in from_sglang)
+    assert any(not bool((c.tree_block(0) == torch.tril(torch.ones_like(c.tree_block(0)))).all()) for c in from_sglang)
     assert any(c.meta.tree_budget == 256 for c in caps)
     assert any(c.meta.tree_budget == 64 and c.batch_size > 1 and int(c.prefix_lens.min()) >= 1000 for c in caps)
     assert any({0, 1} <= set(c.prefix_lens.tolist()) for c in caps)

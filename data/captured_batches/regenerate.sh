@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
 # Regenerates the shipped synthetic captures byte for byte (kdtree synth is deterministic per seed).
+# The sglang-*.safetensors captures come from SGLang itself: scripts/sglang_captures.py on a GPU (README.md).
 # Usage: data/captured_batches/regenerate.sh [kdtree command]   (default: kdtree on PATH)
 set -euo pipefail
 cd "$(dirname "$0")"
 K=${1:-kdtree}
-$K synth --force -o eagle8-bs16.safetensors --tree eagle -n 8 --batch 16 \
-  --prefix 48,80,112,144,65,35,127,155,90,60,100,45,137,70,120,55 --seed 1
 $K synth --force -o ddtree64-bs3.safetensors --budget 64 --batch 3 --prefix 1024,1500,1200 --seed 2
 $K synth --force -o ddtree256.safetensors --budget 256 --batch 1 --prefix 400 --seed 3
 $K synth --force -o mixed-prefix.safetensors --budget 32 --batch 5 --prefix 0,1,37,500,800 --seed 4
-$K synth --force -o dflash-chain.safetensors --tree chain -n 16 --batch 4 --prefix 250,600,400,500 --seed 5
 $K synth --force -o kimi-dp-h64.safetensors --preset kimi-k2-dp --budget 12 --batch 2 --prefix 300,500 --seed 6
 $K synth --force -o dsv3-3layers.safetensors --preset deepseek-v3-tp8 --budget 16 --batch 2 --prefix 200,360 \
   --layers 3,30,58 --seed 7

@@ -1,0 +1,162 @@
+"""The SGLang backend's SGLang-free parts on CPU: marshaling from SGLang's metadata tensors in torch ops, the
+settings, the shadow line, bounded capture files, and the plugin's entry point. (The backend itself runs in
+SGLang's attention test kit on a GPU: tests/test_sglang_gpu.py.)"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import sys
+
+import pytest
+import torch
+
+from kdtree.capture import load
+from kdtree.device_marshal import marshal_tensors
+from kdtree.marshal import marshal
+from kdtree.sglang.capture_hook import CaptureWriter, capture_tensors
+from kdtree.sglang.settings import Settings, SettingsError
+from kdtree.sglang.shadow import shadow_diff
+from kdtree.sglang.verify import VerifyBatch
+
+from conftest import SHIPPED, small
+
+ARG_TENSORS = ("qo_indptr", "combined_kv_indptr", "combined_kv_indices", "prefix_lens", "tree_mask")
+
+
+def batch_of(cap, *, pad: int = 0, mask_dtype=None, drop_mask: bool = False) -> VerifyBatch:
+    """A capture's metadata as the backend takes it from SGLang, buffers optionally oversized as under graphs."""
+    mask = cap.custom_mask.to(mask_dtype or cap.custom_mask.dtype)
+    return VerifyBatch(
+        step=0,
+        qo_indptr=cap.qo_indptr,
+        kv_indptr=cap.kv_indptr,
+        kv_indices=torch.cat([cap.kv_indices, torch.full((pad,), 7, dtype=cap.kv_indices.dtype)]),
+        out_cache_loc=cap.out_cache_loc,
+        custom_mask=None if drop_mask else torch.cat([mask, torch.ones(pad, dtype=mask.dtype)]),
+        mask_indptr=cap.mask_indptr,
+        prefix_lens=cap.prefix_lens.tolist(),
+        num_draft=int(cap.num_draft.max()),
+    )
+
+
+def assert_same_args(a, b):
+    for name in ARG_TENSORS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_device_marshal_gives_the_same_bits_as_marshal(path):
+    cap = load(path)
+    want = marshal(cap)
+    assert_same_args(batch_of(cap).marshal(cap.meta.sm_scale, 0.0), want)
+    # SGLang's CUDA-graph buffers: oversized kv_indices and a uint8 mask longer than mask_indptr[bs]
+    assert_same_args(batch_of(cap, pad=1000, mask_dtype=torch.uint8).marshal(cap.meta.sm_scale, 0.0), want)
+    qo, combined = batch_of(cap).host_lengths()
+    assert torch.equal(qo, want.qo_indptr) and torch.equal(combined, want.combined_kv_indptr)
+
+
+@pytest.mark.parametrize("seed,kind,n,prefixes", [
+    (1, "ddtree", 33, [0, 1, 37, 200]), (2, "random", 65, [5]), (3, "star", 31, [0, 0]),
+    (4, "eagle", 16, [64, 1, 300]), (5, "chain", 1, [3, 9]), (6, "chain", 32, [0, 129]),
+])
+def test_device_marshal_on_fresh_batches(seed, kind, n, prefixes):
+    cap = small(seed=seed, tree=kind, num_draft_tokens=n, batch_size=len(prefixes), prefix_lens=prefixes, budget=None)
+    assert_same_args(batch_of(cap).marshal(1.0, 0.0), marshal(cap))
+
+
+def test_no_custom_mask_means_causal_drafts():
+    cap = load(next(p for p in SHIPPED if p.stem == "sglang-chain16"))
+    b = batch_of(cap, drop_mask=True)
+    assert_same_args(b.marshal(cap.meta.sm_scale, 0.0), marshal(cap))
+
+
+def test_faulty_metadata_is_not_what_marshal_builds():
+    """The comparison above can fail: the historical row-stride bug gives other bits."""
+    cap = load(next(p for p in SHIPPED if p.stem == "sglang-ddtree17"))
+    wrong = marshal(cap, fault="prefix-stride")
+    assert not torch.equal(batch_of(cap).marshal(1.0, 0.0).tree_mask, wrong.tree_mask)
+
+
+def test_settings_from_the_environment():
+    s = Settings.from_env({})
+    assert (s.mode, s.layers, s.ranks, s.every, s.capture_max_files, s.capture_max_bytes) == ("serve", None, {0}, 1, 16, 2**30)
+    s = Settings.from_env({"KDTREE_MODE": "Shadow", "KDTREE_LAYERS": "0,30-32", "KDTREE_RANKS": "all",
+                           "KDTREE_EVERY": "10", "KDTREE_CAPTURE_MAX_BYTES": "64M"})
+    assert s.mode == "shadow" and s.layers == {0, 30, 31, 32} and s.ranks is None and s.capture_max_bytes == 64 * 2**20
+    assert s.watches(20, 31, 5) and not s.watches(25, 31, 5) and not s.watches(20, 29, 5)
+    for env, name in [({"KDTREE_MODE": "fast"}, "KDTREE_MODE"), ({"KDTREE_LAYERS": "3-1"}, "KDTREE_LAYERS"),
+                      ({"KDTREE_EVERY": "0"}, "KDTREE_EVERY"), ({"KDTREE_CAPTURE_MAX_BYTES": "lots"}, "KDTREE_CAPTURE_MAX_BYTES"),
+                      ({"KDTREE_RANKS": "x"}, "KDTREE_RANKS")]:
+        with pytest.raises(SettingsError, match=name):
+            Settings.from_env(env)
+
+
+def test_shadow_line_names_the_worst_element():
+    cap = load(next(p for p in SHIPPED if p.stem == "sglang-ddtree17"))
+    ref = cap.layer(0).o.float()
+    exact = shadow_diff(ref.clone(), ref, cap.qo_indptr, layer=58, step=3)
+    assert exact.rel == 0 and exact.line(5e-3).startswith("[kdtree] L58 max_abs_diff=0.0000e+00 mean=0.0000e+00 rel=")
+    assert "worst" not in exact.line(5e-3)
+    bad = ref.clone()
+    t = int(cap.qo_indptr[2]) + 5  # request 2, node 5
+    bad[t, 3] += 50.0
+    d = shadow_diff(bad, ref, cap.qo_indptr, layer=58, step=3)
+    assert d.worst == {"request": 2, "node": 5, "head": 3, "abs": pytest.approx(50.0, rel=1e-3)}
+    assert "worst: request=2 node=5 head=3" in d.line(5e-3)
+    bad[0, 0, 0] = float("nan")
+    d = shadow_diff(bad, ref, cap.qo_indptr, layer=58, step=3)
+    assert d.nonfinite == 1 and d.worst["request"] == 0 and "nonfinite=1" in d.line(5e-3)
+
+
+def _one_layer(cap):
+    """(batch, q, o, pool) of a shipped capture, as capture mode gets them in a server."""
+    layer = cap.layer(cap.meta.layer_ids[0])
+    return batch_of(cap), layer.q, layer.o, cap.pool(cap.meta.layer_ids[0]).nan_to_num(0.0)
+
+
+def test_capture_files_round_trip_and_stop_at_the_file_budget(tmp_path, caplog):
+    cap = load(next(p for p in SHIPPED if p.stem == "sglang-ddtree17"))
+    batch, q, o, pool = _one_layer(cap)
+    tensors = capture_tensors(batch, 0, q, o, pool)
+    w = CaptureWriter(tmp_path / "caps", max_files=2, max_bytes=2**30)
+    with caplog.at_level(logging.WARNING, logger="kdtree"):
+        paths = [w.write(f"s{i}.safetensors", cap.meta, tensors) for i in range(4)]
+    assert paths[2] is None and paths[3] is None and not w.enabled
+    assert sorted(p.name for p in (tmp_path / "caps").iterdir()) == ["s0.safetensors", "s1.safetensors"]
+    back = load(paths[0])
+    for name in ("kv_indices", "out_cache_loc", "custom_mask", "layers.0.q", "layers.0.o", "layers.0.k"):
+        assert torch.equal(back.tensor_dict()[name], cap.tensor_dict()[name]), name
+    assert len([r for r in caplog.records if "KDTREE_CAPTURE_MAX_FILES" in r.getMessage()]) == 1
+
+
+def test_capture_stops_before_the_byte_budget_and_writes_nothing_partial(tmp_path):
+    cap = load(next(p for p in SHIPPED if p.stem == "sglang-chain16"))
+    tensors = capture_tensors(*_one_layer(cap)[:1], 0, *_one_layer(cap)[1:])
+    w = CaptureWriter(tmp_path, max_files=10, max_bytes=4 * 2**20)
+    assert w.write("a.safetensors", cap.meta, tensors) is not None
+    assert w.write("b.safetensors", cap.meta, tensors) is None and not w.enabled
+    assert [p.name for p in tmp_path.iterdir()] == ["a.safetensors"]
+
+
+def test_an_unwritable_directory_or_an_invalid_step_stops_capture_quietly(tmp_path):
+    cap = load(next(p for p in SHIPPED if p.stem == "sglang-chain16"))
+    batch, q, o, pool = _one_layer(cap)
+    tensors = capture_tensors(batch, 0, q, o, pool)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert CaptureWriter(blocker / "caps", 4, 2**30).write("a.safetensors", cap.meta, tensors) is None
+    broken = dict(tensors, out_cache_loc=tensors["kv_indices"][: tensors["out_cache_loc"].numel()])  # drafts on prefix slots
+    w = CaptureWriter(tmp_path / "caps", 4, 2**30)
+    assert w.write("bad.safetensors", cap.meta, broken) is None and not w.enabled
+    assert not (tmp_path / "caps").exists() or not any((tmp_path / "caps").iterdir())
+
+
+def test_the_plugin_entry_point_is_installed_and_loads_without_sglang():
+    (ep,) = [e for e in importlib.metadata.entry_points(group="sglang.srt.plugins") if e.name == "kdtree"]
+    assert ep.value == "kdtree.sglang.plugin:register"
+    had_sglang = "sglang" in sys.modules
+    fn = ep.load()
+    assert callable(fn) and fn.__name__ == "register"
+    assert ("sglang" in sys.modules) == had_sglang, "loading the entry point imported SGLang"
