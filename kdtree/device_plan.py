@@ -1,0 +1,117 @@
+"""The stream-K launch plan (`kdtree.kernel.plan`) computed in torch ops on the lengths' own device, with shapes
+that depend only on (batch size, N, heads, configuration, grid): what a CUDA graph needs, since the plan is
+then recorded into the graph and rebuilt on the GPU at every replay from the new prefix lengths.
+
+The grid is fixed (`grid` blocks); a batch with fewer work units than blocks leaves the trailing blocks
+empty (`cta_unit_start` repeats the unit count; the kernel's loop does not run for them). Row tiles are
+never split across an empty block, so the partial slots stay those of `kdtree.kernel.plan`, whose arrays
+this reproduces bit for bit on CPU where the grid is the same (`tests/test_device_plan.py`). The fused merge
+is off (the merge kernel runs and skips rows that were not split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kdtree.kernel import FEW_UNIT_COST, PLAN_ARRAYS, SEGMENT_OVERHEAD_UNITS, KernelConfig, LaunchPlan
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """What fixes the plan's array sizes: one per CUDA graph (batch size and N are the graph's)."""
+
+    batch_size: int
+    num_draft: int
+    num_heads: int
+    config: KernelConfig
+    grid: int  # persistent blocks (the kernel's grid, fixed)
+
+    @property
+    def tiles_per_request(self) -> int:
+        return -(-self.num_draft * self.num_heads // self.config.bm)
+
+    @property
+    def row_tiles(self) -> int:
+        return self.batch_size * self.tiles_per_request
+
+    @property
+    def total_rows(self) -> int:
+        return self.batch_size * self.num_draft * self.num_heads
+
+    @property
+    def max_segments(self) -> int:
+        """Partial slots a plan can need: each of the grid - 1 inner block boundaries splits one tile in two."""
+        return max(1, 2 * (self.grid - 1))
+
+
+def balanced_split_t(rt_unit_start: torch.Tensor, grid: int, live: torch.Tensor, segment_units: float,
+                     rt_weight: torch.Tensor) -> torch.Tensor:
+    """`kdtree.kernel.balanced_split` over `live` blocks (a device scalar, <= grid), then grid - live empty
+    blocks: [grid + 1] block boundaries."""
+    dev = rt_unit_start.device
+    units = rt_unit_start[-1]
+    starts = rt_unit_start[:-1].double()
+    tiles = starts.numel()
+    work = (rt_unit_start[1:] - rt_unit_start[:-1]).double() * rt_weight
+    w_start = torch.cat([work.new_zeros(1), torch.cumsum(work, 0)[:-1]]) + segment_units * torch.arange(tiles, device=dev)
+    w_end = work.sum() + segment_units * (tiles - 1)
+    w = torch.arange(1, grid, device=dev, dtype=torch.float64) * (w_end / live.double())
+    rt = (torch.searchsorted(w_start, w, right=True) - 1).clamp(0, tiles - 1)
+    inner = torch.minimum(rt_unit_start[rt + 1].double(), starts[rt] + torch.round((w - w_start[rt]) / rt_weight[rt]))
+    bounds = torch.cat([units.new_zeros(1), inner.long(), units.view(1)])
+    idx = torch.arange(grid + 1, device=dev)
+    bounds = torch.cummax(bounds.clamp(min=0) - idx, 0).values + idx  # strictly increasing ...
+    bounds = torch.minimum(bounds, units - live + idx)  # ... every live block keeps a unit
+    return torch.where(idx >= live, units, bounds)
+
+
+def plan_on_device(qo_indptr: torch.Tensor, combined_kv_indptr: torch.Tensor, shape: PlanShape, *,
+                   mask_words: int, segment_units: float = SEGMENT_OVERHEAD_UNITS,
+                   few_unit_cost: float = FEW_UNIT_COST) -> LaunchPlan:
+    """A `LaunchPlan` (fused merge off) of `shape.grid` blocks for this batch, on the indptrs' device.
+
+    `units` and `work` are not known on the host (-1 in the returned plan); `segments` is the bound
+    `shape.max_segments`, which sizes the workspace and makes `launch` run the merge kernel."""
+    cfg, dev = shape.config, qo_indptr.device
+    bs, r = shape.batch_size, shape.tiles_per_request
+    R = shape.row_tiles
+    kv = (combined_kv_indptr[1 : bs + 1] - combined_kv_indptr[:bs]).long()
+    rt_ids = torch.arange(R, device=dev)
+    rt_request = rt_ids // r
+    rt_row0 = (rt_ids % r) * cfg.bm
+    rows_per_request = shape.num_draft * shape.num_heads
+    tile_rows = torch.clamp(rows_per_request - rt_row0, max=cfg.bm)
+    key_tiles = torch.clamp(-(-kv // cfg.bn), min=1)
+    rt_unit_start = torch.cat([kv.new_zeros(1), torch.cumsum(key_tiles[rt_request], 0)])
+    units = rt_unit_start[-1]
+    live = torch.clamp(units, max=shape.grid)
+    few = torch.where(tile_rows <= cfg.few_row_limit, few_unit_cost, 1.0).double()
+    cta_unit_start = balanced_split_t(rt_unit_start, shape.grid, live, segment_units, few)
+    cta_first_rt = (torch.searchsorted(rt_unit_start, cta_unit_start[:-1], right=True) - 1).clamp(max=R - 1)
+    rt_first_cta = torch.searchsorted(cta_unit_start, rt_unit_start[:-1], right=True) - 1
+    rt_last_cta = torch.searchsorted(cta_unit_start, rt_unit_start[1:] - 1, right=True) - 1
+    segs = rt_last_cta - rt_first_cta + 1
+    split = torch.where(segs > 1, segs, 0)
+    rt_seg_base = torch.cat([segs.new_zeros(1), torch.cumsum(split, 0)])
+    row_rt = torch.arange(shape.total_rows, device=dev) // rows_per_request * r
+    within = torch.arange(shape.total_rows, device=dev) % rows_per_request
+    row_rt = row_rt + within // cfg.bm
+    tr = within % cfg.bm
+    row_segs = split[row_rt]
+    row_merge = torch.stack([torch.where(row_segs > 0, rt_seg_base[row_rt] * cfg.bm + tr, 0), row_segs], 1)
+    arrays = {
+        "cta_unit_start": cta_unit_start,
+        "cta_first_rt": cta_first_rt,
+        "rt_unit_start": rt_unit_start,
+        "rt_request": rt_request,
+        "rt_row0": rt_row0,
+        "rt_first_cta": rt_first_cta,
+        "rt_seg_base": rt_seg_base,
+        "row_merge": row_merge.reshape(-1),
+    }
+    assert set(arrays) == set(PLAN_ARRAYS)
+    return LaunchPlan(batch_size=bs, num_heads=shape.num_heads, total_rows=shape.total_rows, mask_words=mask_words,
+                      grid=shape.grid, units=-1, work=-1.0, segments=shape.max_segments, fused_merge=False, config=cfg,
+                      arrays={k: v.to(torch.int32) for k, v in arrays.items()})

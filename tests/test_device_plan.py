@@ -1,0 +1,54 @@
+"""The graph-shaped planner (torch ops, fixed shapes) against the host planner: the same arrays on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdtree.capture import load
+from kdtree.device_plan import PlanShape, plan_on_device
+from kdtree.kernel import KernelConfig, plan
+from kdtree.marshal import marshal
+
+from conftest import SHIPPED, small
+
+CONFIGS = {"sm_90a": KernelConfig.for_arch("sm_90"), "sm_90a-no-few": KernelConfig.candidates("sm_90")[1], "mma32": KernelConfig()}
+
+
+def check_same(args, heads, cfg, grid):
+    want = plan(args, heads, grid, cfg, fused_merge=False)  # blocks_per_sm is 1: grid blocks
+    n = int(args.max_num_draft)
+    shape = PlanShape(args.batch_size, n, heads, cfg, grid)
+    got = plan_on_device(args.qo_indptr, args.combined_kv_indptr, shape, mask_words=int(args.tree_mask.shape[1]))
+    g = want.grid
+    for name in ("rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base", "row_merge"):
+        assert torch.equal(got.arrays[name], want.arrays[name]), name
+    assert torch.equal(got.arrays["cta_unit_start"][: g + 1], want.arrays["cta_unit_start"])
+    assert (got.arrays["cta_unit_start"][g:] == want.units).all()  # trailing blocks are empty
+    assert torch.equal(got.arrays["cta_first_rt"][:g], want.arrays["cta_first_rt"])
+    assert want.segments <= shape.max_segments
+    # the kernel's walk over the device plan covers every unit once, in the same segments
+    assert [s for s in got.walk() if s[2] != s[3]] == want.walk()
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_device_plan_matches_the_host_plan_on_the_shipped_captures(path, cfg):
+    cap = load(path)
+    if len(set(cap.num_draft.tolist())) > 1:
+        pytest.skip("SGLang's batches have one N")
+    args = marshal(cap)
+    for grid in (1, 7, 132, 5000):
+        check_same(args, cap.meta.num_heads, CONFIGS[cfg], grid)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_plan_matches_on_fresh_batches(seed):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.choice([1, 2, 17, 33, 65]))
+    prefixes = [int(x) for x in rng.integers(0, 3000, int(rng.integers(1, 12)))]
+    cap = small(seed=seed, tree="chain", num_draft_tokens=n, batch_size=len(prefixes), prefix_lens=prefixes, budget=None)
+    for cfg in CONFIGS.values():
+        check_same(marshal(cap), cap.meta.num_heads, cfg, int(rng.integers(1, 300)))
