@@ -33,7 +33,7 @@ for w in "$@"; do
     notebooks) step notebooks 420 python3 -m pytest -q -rs tests/test_notebooks.py ;;
     sglang) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1  # the plugin's entry point
             step sglang-imports 300 python3 scripts/sglang_imports.py
-            step test-sglang 540 python3 -m pytest -q -rs tests/test_sglang_gpu.py ;;
+            step test-sglang 540 python3 -m pytest -q -rs tests/test_sglang_gpu.py tests/test_serving_gpu.py ;;
     sglang-captures) step sglang-captures 300 python3 scripts/sglang_captures.py "$OUT" ;;
   esac
 done

@@ -2,9 +2,11 @@
 or captured by kdtree (the mode: `kdtree.sglang.settings`).
 
 Everything the kdtree kernel does not serve - other forward modes, other head dims, an fp8 or scaled KV
-cache, sliding windows, sinks, score mods, decode context parallelism, deterministic mode, CUDA-graph capture
-(the kernel is planned on the host per step) - is Triton's, with one log line per reason. Any failure inside
-kdtree is logged once and that step falls back to Triton: kdtree never takes a server down.
+cache, sliding windows, sinks, score mods, decode context parallelism, deterministic mode; shadow and capture
+modes under CUDA-graph capture (they read results back) - is Triton's, with one log line per reason. Serving
+is CUDA-graph safe: the step is marshaled and planned on the GPU (`kdtree.serving`) from the metadata buffers
+Triton's graph hooks refill at every replay. Any failure inside kdtree is logged once and that step falls back
+to Triton: kdtree never takes a server down.
 
 Imports SGLang (0.5.23): load it through the plugin (`kdtree.sglang.plugin`), not at kdtree's import time.
 """
@@ -37,8 +39,6 @@ def _sglang_version() -> str | None:
 class KdtreeAttnBackend(TritonAttnBackend):
     """Triton's backend; TARGET_VERIFY on absorbed MLA goes through kdtree as `KDTREE_MODE` says."""
 
-    # the planner reads the prefix lengths on the host: ask the scheduler for seq_lens_cpu
-    needs_cpu_seq_lens: bool = True
     # layer calls whose output kdtree computed (served or shadowed), over all instances of this process
     kdtree_calls: int = 0
 
@@ -53,10 +53,16 @@ class KdtreeAttnBackend(TritonAttnBackend):
         self.capture = CaptureWriter(self.settings.capture_dir, self.settings.capture_max_files, self.settings.capture_max_bytes)
         self.verify_step = -1
         self._batch: VerifyBatch | None = None
+        self._graph_kv_capacity: int | None = None
         log.once("mode", f"attention backend kdtree, mode {self.settings.mode} (KDTREE_MODE), TP rank {self.tp_rank}",
                  logging.INFO)
 
     # ----- per step ---------------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
+        super().init_cuda_graph_state(max_bs, max_num_tokens, *args, **kwargs)
+        # the combined slot list of any replayed step: at most max_bs prefixes of the context length, plus drafts
+        self._graph_kv_capacity = max_bs * self.max_context_len + max_num_tokens
+
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
         self._new_step(forward_batch)
@@ -67,29 +73,24 @@ class KdtreeAttnBackend(TritonAttnBackend):
 
     def _new_step(self, forward_batch) -> None:
         self._batch = None
+        self.runner.new_step()
         if forward_batch.forward_mode.is_target_verify():
             self.verify_step += 1
 
     def _verify_batch(self, forward_batch) -> VerifyBatch:
-        """This step's metadata from Triton's `forward_metadata` (built once per step)."""
+        """This step's metadata from Triton's `forward_metadata` (no host sync: CUDA-graph safe)."""
         if self._batch is None:
             md = self.forward_metadata
             bs = len(forward_batch.req_pool_indices)
-            if forward_batch.seq_lens_cpu is not None:
-                prefix = forward_batch.seq_lens_cpu[:bs].tolist()
+            n = int(md.max_extend_len)
+            if torch.cuda.is_current_stream_capturing() or forward_batch.seq_lens_sum is None:
+                capacity = self._graph_kv_capacity or (md.kv_indices.numel() + bs * n)
             else:
-                log.once("seq_lens_cpu", "the batch carries no seq_lens_cpu: reading seq_lens from the GPU (a sync per step)")
-                prefix = forward_batch.seq_lens[:bs].cpu().tolist()
+                capacity = int(forward_batch.seq_lens_sum) + bs * n
             self._batch = VerifyBatch(
-                step=self.verify_step,
-                qo_indptr=md.qo_indptr[: bs + 1],
-                kv_indptr=md.kv_indptr[: bs + 1],
-                kv_indices=md.kv_indices,
-                out_cache_loc=forward_batch.out_cache_loc,
-                custom_mask=md.custom_mask,
-                mask_indptr=md.mask_indptr[: bs + 1],
-                prefix_lens=[int(p) for p in prefix],
-                num_draft=int(md.max_extend_len),
+                step=self.verify_step, qo_indptr=md.qo_indptr, kv_indptr=md.kv_indptr, kv_indices=md.kv_indices,
+                out_cache_loc=forward_batch.out_cache_loc, custom_mask=md.custom_mask, mask_indptr=md.mask_indptr,
+                batch_size=bs, num_draft=n, kv_capacity=capacity,
             )
         return self._batch
 
@@ -124,8 +125,8 @@ class KdtreeAttnBackend(TritonAttnBackend):
             return "deterministic inference (Triton's unified kernel keeps its bits)"
         if getattr(forward_batch, "mha_one_shot", False):
             return "MHA one-shot prefill"
-        if torch.cuda.is_current_stream_capturing():
-            return "CUDA-graph capture (this version plans each step on the host; run with --disable-cuda-graph)"
+        if self.settings.mode != "serve" and torch.cuda.is_current_stream_capturing():
+            return f"CUDA-graph capture in {self.settings.mode} mode (it reads results back; run it with --disable-cuda-graph)"
         if forward_batch.out_cache_loc.numel() != q.shape[0] or self.forward_metadata.qo_indptr is None:
             return "a verify batch whose token count is not batch x draft tokens"
         return None
@@ -173,7 +174,8 @@ class KdtreeAttnBackend(TritonAttnBackend):
         H = layer.tp_q_head_num
         mine = self._kdtree(q, layer, forward_batch)
         batch = self._verify_batch(forward_batch)
-        d = shadow_diff(mine, o.view(-1, H, V_HEAD_DIM), batch.qo_indptr.cpu(), layer=layer.layer_id, step=batch.step)
+        qo = batch.qo_indptr[: batch.batch_size + 1].cpu()
+        d = shadow_diff(mine, o.view(-1, H, V_HEAD_DIM), qo, layer=layer.layer_id, step=batch.step)
         print(d.line(self.settings.tolerance), flush=True)
 
     def _capture(self, q, o, layer, forward_batch) -> None:

@@ -26,7 +26,7 @@ def full_mask(batch: VerifyBatch) -> torch.Tensor:
         return batch.custom_mask[:end].cpu().bool()
     n = batch.num_draft
     chain = torch.tril(torch.ones(n, n, dtype=torch.bool))
-    return torch.cat([torch.cat([torch.ones(n, p, dtype=torch.bool), chain], 1).flatten() for p in batch.prefix_lens])
+    return torch.cat([torch.cat([torch.ones(n, p, dtype=torch.bool), chain], 1).flatten() for p in batch.prefix_lens()])
 
 
 def capture_tensors(batch: VerifyBatch, layer_id: int, q: torch.Tensor, o: torch.Tensor, kv_buffer: torch.Tensor) -> dict:
@@ -34,7 +34,8 @@ def capture_tensors(batch: VerifyBatch, layer_id: int, q: torch.Tensor, o: torch
     pool rows the step reads. The draft keys `k` are read back from the pool at `out_cache_loc` (SGLang wrote
     them there before attention; the kit's modules pass k=None)."""
     bs, T = batch.batch_size, batch.num_tokens
-    kv_indices = batch.kv_indices[: batch.prefix_total].long()
+    prefix = batch.prefix_lens()
+    kv_indices = batch.kv_indices[: sum(prefix)].long()
     out_cache_loc = batch.out_cache_loc[:T].long()
     slots = torch.unique(torch.cat([kv_indices, out_cache_loc]))
     heads = q.shape[1]
@@ -45,7 +46,7 @@ def capture_tensors(batch: VerifyBatch, layer_id: int, q: torch.Tensor, o: torch
         "out_cache_loc": out_cache_loc.cpu(),
         "custom_mask": full_mask(batch),
         "mask_indptr": batch.mask_indptr[: bs + 1].cpu().long(),
-        "seq_lens": torch.tensor(batch.prefix_lens, dtype=torch.int32),
+        "seq_lens": torch.tensor(prefix, dtype=torch.int32),
         "kv_buffer_slots": slots.cpu(),
         layer_key(layer_id, "q"): q[:T].reshape(T, heads, -1).cpu(),
         layer_key(layer_id, "k"): kv_buffer[out_cache_loc].reshape(T, 1, -1).cpu(),

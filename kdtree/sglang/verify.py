@@ -1,11 +1,10 @@
 """One verify step as the kdtree backend sees it, SGLang-free: the step's metadata (`VerifyBatch`, taken from
-the Triton backend's `forward_metadata` and the `ForwardBatch`), marshaled and planned once per step and
-launched once per layer (`VerifyRunner`).
+the Triton backend's `forward_metadata` and the `ForwardBatch`), marshaled and planned once per step on the
+GPU and launched once per layer (`VerifyRunner`, over `kdtree.serving`: no host sync, CUDA-graph safe).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -16,91 +15,71 @@ from kdtree.marshal import VerifyArgs
 
 @dataclass
 class VerifyBatch:
-    """One TARGET_VERIFY step's metadata, SGLang's names; device tensors cut to their live parts."""
+    """One TARGET_VERIFY step's metadata, SGLang's names. Device tensors may be longer than the batch (SGLang's
+    CUDA-graph buffers); only their leading parts are read."""
 
     step: int
-    qo_indptr: torch.Tensor  # [bs+1]
-    kv_indptr: torch.Tensor  # [bs+1]: cumsum of prefix lengths
+    qo_indptr: torch.Tensor  # [>= bs+1]
+    kv_indptr: torch.Tensor  # [>= bs+1]: cumsum of prefix lengths
     kv_indices: torch.Tensor  # [>= kv_indptr[bs]]: prefix slots
-    out_cache_loc: torch.Tensor  # [T]: draft slots
+    out_cache_loc: torch.Tensor  # [>= T]: draft slots
     custom_mask: torch.Tensor | None  # flat, [>= mask_indptr[bs]]; None: causal drafts
-    mask_indptr: torch.Tensor  # [bs+1]
-    prefix_lens: list[int]  # on the host (seq_lens_cpu)
+    mask_indptr: torch.Tensor  # [>= bs+1]
+    batch_size: int
     num_draft: int  # N, one for the batch
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.prefix_lens)
+    kv_capacity: int  # >= kv_indptr[bs] + T: the combined slot list's buffer
 
     @property
     def num_tokens(self) -> int:
         return self.batch_size * self.num_draft
 
-    @property
-    def prefix_total(self) -> int:
-        return sum(self.prefix_lens)
+    def prefix_lens(self) -> list[int]:
+        """The prefix lengths on the host (reads the device: capture mode and tests only)."""
+        kvp = self.kv_indptr[: self.batch_size + 1].cpu().long()
+        return (kvp[1:] - kvp[:-1]).tolist()
 
     def marshal(self, sm_scale: float, logit_cap: float) -> VerifyArgs:
-        """The kernel's arguments on the metadata's device (`kdtree.device_marshal`)."""
+        """The kernel's arguments in torch ops (`kdtree.device_marshal`; the CPU twin of the marshal kernel)."""
+        prefix = self.prefix_lens()
         return marshal_tensors(
-            self.qo_indptr, self.kv_indptr, self.kv_indices, self.out_cache_loc, self.custom_mask, self.mask_indptr,
-            num_tokens=self.num_tokens, prefix_total=self.prefix_total, max_prefix_len=max(self.prefix_lens, default=0),
+            self.qo_indptr[: self.batch_size + 1], self.kv_indptr[: self.batch_size + 1], self.kv_indices,
+            self.out_cache_loc, self.custom_mask, self.mask_indptr[: self.batch_size + 1],
+            num_tokens=self.num_tokens, prefix_total=sum(prefix), max_prefix_len=max(prefix, default=0),
             max_num_draft=self.num_draft, sm_scale=sm_scale, logit_cap=logit_cap,
         )
 
-    def host_lengths(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`qo_indptr` and `combined_kv_indptr` on the host, what the planner reads (no device sync)."""
-        n = self.num_draft
-        qo = torch.arange(self.batch_size + 1, dtype=torch.int32) * n
-        combined = torch.tensor([0] + [p + n for p in self.prefix_lens], dtype=torch.int64).cumsum(0).to(torch.int32)
-        return qo, combined
-
-
-@dataclass
-class PreparedStep:
-    """A step's arguments, plan and workspace on the device, shared by its layers."""
-
-    key: tuple
-    args: VerifyArgs
-    plan: object  # kdtree.kernel.LaunchPlan
-    workspace: object  # kdtree.kernel.Workspace
-
 
 class VerifyRunner:
-    """Marshal and plan a step once, run the kdtree kernel for each of its layers."""
+    """Marshal and plan a step once (on the GPU), run the kdtree kernel for each of its layers."""
 
-    def __init__(self, kernel=None):
-        self._kernel = kernel
-        self._prepared: PreparedStep | None = None
+    def __init__(self, path=None):
+        self._path = path
+        self._prepared = None
+        self._key = None
 
     @property
-    def kernel(self):
-        """The compiled kernel (compiled on first use; raises KernelCompileError or ImportError)."""
-        if self._kernel is None:
-            from kdtree.kernel import VerifyKernel
+    def path(self):
+        """The serving path (compiled on first use; raises KernelCompileError or ImportError)."""
+        if self._path is None:
+            from kdtree.serving import ServingPath
 
-            self._kernel = VerifyKernel.get()
-        return self._kernel
+            self._path = ServingPath()
+        return self._path
 
-    def prepare(self, batch: VerifyBatch, num_heads: int, sm_scale: float, logit_cap: float) -> PreparedStep:
-        key = (batch.step, num_heads, float(sm_scale), float(logit_cap))
-        if self._prepared is None or self._prepared.key != key:
-            from kdtree.kernel import Workspace
-
-            args = batch.marshal(sm_scale, logit_cap)
-            qo, combined = batch.host_lengths()
-            plan = self.kernel.plan(dataclasses.replace(args, qo_indptr=qo, combined_kv_indptr=combined), num_heads)
-            device = batch.qo_indptr.device
-            plan = plan.to(device)
-            self._prepared = PreparedStep(key, args, plan, Workspace.for_plan(plan, device))
-        return self._prepared
+    def new_step(self) -> None:
+        self._prepared = self._key = None
 
     def run(self, batch: VerifyBatch, q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, *,
             sm_scale: float, logit_cap: float) -> torch.Tensor:
         """o [T, H, 512] <- attention of q [T, H, 576] over the pool kv_buffer [slots, 1, 576] for this step."""
         from kdtree.kernel import check_inputs
 
-        step = self.prepare(batch, q.shape[1], sm_scale, logit_cap)
-        check_inputs(step.args, q, kv_buffer)
-        self.kernel.launch(step.plan, step.args, q.contiguous(), kv_buffer, o, None, step.workspace)
-        return o
+        key = (batch.step, q.shape[1])
+        if self._key != key:
+            self._prepared = self.path.prepare(
+                batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.out_cache_loc, batch.custom_mask,
+                batch.mask_indptr, batch_size=batch.batch_size, num_draft=batch.num_draft, num_heads=q.shape[1],
+                kv_capacity=batch.kv_capacity)
+            self._key = key
+        check_inputs(self._prepared.args, q, kv_buffer)
+        return self.path.launch(self._prepared, q.contiguous(), kv_buffer, o, sm_scale=sm_scale, logit_cap=logit_cap)

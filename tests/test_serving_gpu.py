@@ -1,0 +1,112 @@
+"""The serving path on a GPU: the marshal kernel gives `kdtree.marshal`'s bits from SGLang-shaped (oversized)
+buffers, the step is right against the fp64 oracle, and a CUDA graph captured once replays with other prefix
+lengths bit-equal to the eager path on the same inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdtree.capture import load
+from kdtree.diff import compare, poisoned
+from kdtree.marshal import marshal
+from kdtree.reference import AttnOutput, oracle
+
+from conftest import SHIPPED, small
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def path():
+    from kdtree.serving import ServingPath
+
+    return ServingPath()
+
+
+def sglang_buffers(cap, pad: int = 64, device="cuda"):
+    """The capture's metadata as SGLang's Triton backend holds it under CUDA graphs: int64 indices, a uint8
+    mask and index buffers longer than the batch."""
+    def padded(t, dtype, extra):
+        return torch.cat([t.to(dtype), torch.zeros(extra, dtype=dtype)]).to(device)
+
+    return dict(
+        qo_indptr=padded(cap.qo_indptr, torch.int64, 3), kv_indptr=padded(cap.kv_indptr, torch.int32, 3),
+        kv_indices=padded(cap.kv_indices, torch.int64, pad), out_cache_loc=cap.out_cache_loc.to(device, torch.int64),
+        custom_mask=padded(cap.custom_mask, torch.uint8, pad), mask_indptr=padded(cap.mask_indptr, torch.int64, 3),
+    )
+
+
+def run_step(path, cap, layer_id, bufs, o=None):
+    step = path.prepare(**bufs, batch_size=cap.batch_size, num_draft=int(cap.num_draft[0]), num_heads=cap.meta.num_heads,
+                        kv_capacity=int(cap.kv_indptr[-1]) + cap.num_tokens + 5)
+    o = o if o is not None else poisoned((cap.num_tokens, cap.meta.num_heads, 512), "cuda")
+    path.launch(step, cap.layer(layer_id).q.cuda(), cap.pool(layer_id, "cuda"), o, sm_scale=cap.meta.sm_scale,
+                logit_cap=cap.meta.logit_cap)
+    return step, o
+
+
+@pytest.mark.parametrize("p", [p for p in SHIPPED if len(set(load(p).num_draft.tolist())) == 1], ids=lambda p: p.stem)
+def test_marshal_kernel_and_device_plan_serve_every_capture(path, p):
+    cap = load(p)
+    want = marshal(cap)
+    for lid in cap.meta.layer_ids:
+        step, o = run_step(path, cap, lid, sglang_buffers(cap))
+        total = int(want.combined_kv_indptr[-1])
+        for name in ("qo_indptr", "combined_kv_indptr", "prefix_lens", "tree_mask"):
+            assert torch.equal(getattr(step.args, name).cpu(), getattr(want, name)), name
+        assert torch.equal(step.args.combined_kv_indices[:total].cpu(), want.combined_kv_indices)
+        d = compare(cap, lid, AttnOutput(o, None), oracle(cap, lid, device="cuda"), tolerance=5e-3)
+        assert d.passed, d.line()
+
+
+def test_a_graph_captured_once_replays_new_lengths_bit_equal_to_eager(path):
+    bs, budget, H = 4, 16, 8
+    caps = [small(batch_size=bs, budget=budget, prefix_lens=p, seed=s) for s, p in
+            enumerate([[1, 1, 1, 1], [0, 37, 900, 5], [2048, 1, 64, 300], [10, 1500, 0, 2], [700, 700, 33, 4000]])]
+    rows = max(c.meta.pool_size + 1 for c in caps)
+    cap_kv = max(int(c.kv_indptr[-1]) for c in caps) + bs * (budget + 1)
+    cap_mask = max(c.custom_mask.numel() for c in caps)
+    static = dict(qo_indptr=torch.zeros(bs + 1, dtype=torch.int64, device="cuda"),
+                  kv_indptr=torch.zeros(bs + 1, dtype=torch.int32, device="cuda"),
+                  kv_indices=torch.zeros(cap_kv, dtype=torch.int64, device="cuda"),
+                  out_cache_loc=torch.zeros(bs * (budget + 1), dtype=torch.int64, device="cuda"),
+                  custom_mask=torch.zeros(cap_mask, dtype=torch.uint8, device="cuda"),
+                  mask_indptr=torch.zeros(bs + 1, dtype=torch.int64, device="cuda"))
+    q = torch.zeros(bs * (budget + 1), H, 576, dtype=torch.bfloat16, device="cuda")
+    pool = torch.zeros(rows, 1, 576, dtype=torch.bfloat16, device="cuda")
+    o = torch.zeros(bs * (budget + 1), H, 512, dtype=torch.bfloat16, device="cuda")
+
+    def load_batch(cap):
+        for name, t in sglang_buffers(cap, pad=0).items():
+            static[name].zero_()
+            static[name][: t.numel()].copy_(t)
+        q.copy_(cap.layer(0).q)
+        pool.zero_()
+        pool[: cap.meta.pool_size + 1].copy_(cap.pool(0, "cuda").nan_to_num(0.0))
+
+    def step():
+        s = path.prepare(**static, batch_size=bs, num_draft=budget + 1, num_heads=H, kv_capacity=cap_kv)
+        path.launch(s, q, pool, o, sm_scale=caps[0].meta.sm_scale)
+
+    load_batch(caps[0])
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        for cap in caps[1:] + caps[:1]:
+            load_batch(cap)
+            o.fill_(float("nan"))
+            graph.replay()
+            replayed = o.clone()
+            o.fill_(float("nan"))
+            step()
+            assert torch.equal(replayed.view(torch.int16), o.view(torch.int16)), "replay differs from eager"
+            d = compare(cap, 0, AttnOutput(replayed, None), oracle(cap, 0, device="cuda"), tolerance=5e-3)
+            assert d.passed, d.line()
