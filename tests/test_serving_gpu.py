@@ -30,10 +30,11 @@ def sglang_buffers(cap, pad: int = 64, device="cuda"):
     def padded(t, dtype, extra):
         return torch.cat([t.to(dtype), torch.zeros(extra, dtype=dtype)]).to(device)
 
+    extra = 3 if pad else 0
     return dict(
-        qo_indptr=padded(cap.qo_indptr, torch.int64, 3), kv_indptr=padded(cap.kv_indptr, torch.int32, 3),
+        qo_indptr=padded(cap.qo_indptr, torch.int64, extra), kv_indptr=padded(cap.kv_indptr, torch.int32, extra),
         kv_indices=padded(cap.kv_indices, torch.int64, pad), out_cache_loc=cap.out_cache_loc.to(device, torch.int64),
-        custom_mask=padded(cap.custom_mask, torch.uint8, pad), mask_indptr=padded(cap.mask_indptr, torch.int64, 3),
+        custom_mask=padded(cap.custom_mask, torch.uint8, pad), mask_indptr=padded(cap.mask_indptr, torch.int64, extra),
     )
 
 
