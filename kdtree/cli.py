@@ -234,6 +234,8 @@ def bench(
     out: Path = typer.Option(Path("bench-out"), "--out", "-o", help="folder for bench.json and bench.png"),
     case: Optional[List[str]] = typer.Option(None, help="only cases whose name contains this (repeatable)"),
     no_sglang: bool = typer.Option(False, "--no-sglang", help="skip SGLang's Triton kernel even if importable"),
+    sglang_backend: bool = typer.Option(False, "--sglang", help="the kdtree backend against SGLang's Triton backend "
+                                        "(eager and CUDA-graph replayed, metadata and host time); needs SGLang"),
 ):
     """Time the kernel against SGLang's Triton kernel and plain torch on the anchor cases, with the
     roofline from ceilings measured in the same run. Needs a CUDA GPU."""
@@ -242,6 +244,20 @@ def bench(
 
     if not gpu_available():
         _fail("kdtree bench needs a CUDA GPU and CuPy (pip install -e '.[cuda13]')")
+    if sglang_backend:
+        import importlib.util
+
+        if importlib.util.find_spec("sglang") is None:
+            _fail("kdtree bench --sglang needs SGLang (pip install -e '.[sglang]')")
+        from kdtree.sglang import bench as sb
+
+        picked = [c for c in sb.CASES if not case or any(p in c.name for p in case)]
+        if not picked:
+            _fail(f"--case matches none of: {', '.join(c.name for c in sb.CASES)}")
+        result = sb.run(picked, log=typer.echo)
+        sb.save(result, out / "bench-sglang.json")
+        typer.echo(f"wrote {out / 'bench-sglang.json'}")
+        return
     cases = b.select_cases(case) if case else list(b.CASES)
     if not cases:
         _fail(f"--case matches none of: {', '.join(c.name for c in b.CASES)}")

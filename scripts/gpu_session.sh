@@ -35,5 +35,6 @@ for w in "$@"; do
             step sglang-imports 300 python3 scripts/sglang_imports.py
             step test-sglang 540 python3 -m pytest -q -rs tests/test_sglang_gpu.py tests/test_serving_gpu.py ;;
     sglang-captures) step sglang-captures 300 python3 scripts/sglang_captures.py "$OUT" ;;
+    sglang-bench) step sglang-bench 420 python3 scripts/sglang_bench.py "$OUT/bench-sglang.json" ;;
   esac
 done

@@ -1,0 +1,167 @@
+"""`kdtree bench --sglang`: the kdtree backend against SGLang's Triton backend on the same `ForwardBatch`es, in
+the same run, eager and replayed from CUDA graphs.
+
+Each case is built with SGLang's attention test kit (`kdtree.sglang.kit`: real ForwardBatch, ReqToTokenPool,
+MLATokenToKVPool, EagleVerifyInput with a DDTree custom mask), random bf16 q and pool (not zeros). Per case:
+- `layer_ms`: GPU time of one layer's `forward_extend` (kdtree's with the step already marshaled and planned),
+  eager and replayed from a CUDA graph of that one call (`*_graph`);
+- `step_metadata_ms`: GPU time of what a verify step does once before its layers: Triton's
+  `init_forward_metadata`, and kdtree's marshal + plan (`kdtree.serving`) on top of it;
+- `host_us`: host time per step outside the kernels: eager, the metadata call (kdtree: plus marshal + plan);
+  under CUDA graphs, `init_forward_metadata_out_graph` (all the host work a replayed step has).
+Medians of `triton.testing.do_bench` (L2 flushed) for GPU times; host times are medians of perf_counter
+over 200 calls without a sync.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kdtree.bench import CASES as KERNEL_CASES
+from kdtree.presets import get_preset
+from kdtree.trees import make_tree
+
+KIMI_SCALING = 0.130861
+
+
+@dataclass(frozen=True)
+class ServingCase:
+    name: str
+    num_heads: int
+    prefix_lens: tuple[int, ...]
+    num_draft: int
+    scaling: float
+
+
+CASES = [ServingCase(c.name, get_preset(c.preset).num_heads, c.prefix_lens, c.num_draft, get_preset(c.preset).sm_scale)
+         for c in KERNEL_CASES] + [ServingCase("kimi-tp8 64 x N1 4k", 8, (4096,) * 64, 1, KIMI_SCALING)]
+
+
+def _host_us(fn, reps: int = 200) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
+
+
+def _graph_ms(fn, do_bench) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    return do_bench(graph.replay)
+
+
+def run_case(case: ServingCase, do_bench) -> dict:
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.test.kits.attention_unittest.attention_methods.mla_attention import build_mla_attention_fixture
+    from sglang.test.kits.attention_unittest.runner_modes.speculative_target_verify_runner import (
+        _make_spec_verify_input,
+        _prepare_target_verify_batch,
+    )
+
+    from kdtree.sglang import kit
+
+    bs, n, H = len(case.prefix_lens), case.num_draft, case.num_heads
+    vcase = kit.verify_case(case.name.replace(" ", "_"), "kdtree", case.prefix_lens, n, H)
+    ctx = max(case.prefix_lens) + n + 8
+    fixture = build_mla_attention_fixture(kit.KitTestCase(), vcase, max_context_len=ctx, disable_cuda_graph=False,
+                                          runner_batch_size=bs, **kit.MLA_DIMS)
+    backend, fb, layer = fixture.backend, fixture.forward_batch, fixture.actual_module.attn_mqa
+    layer.scaling = case.scaling
+    _prepare_target_verify_batch(fb, vcase, "cuda")
+    spec = _make_spec_verify_input(vcase, fb, topk=1, device="cuda", spec_kind="eagle")
+    rng = np.random.default_rng(0)
+    _, spec.custom_mask = kit.masks_for([make_tree("ddtree", n, rng) if n > 1 else np.array([-1]) for _ in range(bs)],
+                                        case.prefix_lens)
+    fb.spec_info = spec
+    pool = backend.token_to_kv_pool.get_key_buffer(0)
+    pool.copy_(torch.randn_like(pool, dtype=torch.float32).to(pool.dtype))
+    q = torch.randn(bs * n, H * 576, device="cuda").to(torch.bfloat16)
+    kdtree_call = lambda: backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)  # noqa: E731
+    triton_call = lambda: TritonAttnBackend.forward_extend(backend, q, None, None, layer, fb, save_kv_cache=False)  # noqa: E731
+    out = {"name": case.name, "batch_size": bs, "num_draft": n, "num_heads": H, "prefix_lens": list(case.prefix_lens)}
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+        # eager
+        backend.init_forward_metadata(fb)
+        o_k, o_t = kdtree_call().clone(), triton_call().clone()
+        out["rel_vs_triton"] = float((o_k.double() - o_t.double()).norm() / o_t.double().norm())
+        batch = backend._verify_batch(fb)
+        prep = lambda: backend.runner.path.prepare(  # noqa: E731
+            batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.out_cache_loc, batch.custom_mask,
+            batch.mask_indptr, batch_size=bs, num_draft=n, num_heads=H, kv_capacity=batch.kv_capacity)
+        meta = lambda: TritonAttnBackend.init_forward_metadata(backend, fb)  # noqa: E731
+        out["layer_ms"] = {"kdtree": do_bench(kdtree_call), "triton": do_bench(triton_call)}
+        out["step_metadata_ms"] = {"triton": do_bench(meta), "kdtree_marshal_plan": do_bench(prep)}
+        out["host_us"] = {"triton_metadata": _host_us(meta), "kdtree_marshal_plan": _host_us(prep)}
+        # CUDA graphs: Triton's graph buffers, SGLang's out-of-graph hook, one layer's call recorded
+        backend.init_cuda_graph_state(bs, bs * n)
+        backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        out["layer_ms"]["kdtree_graph"] = _graph_ms(kdtree_call, do_bench)
+        out["layer_ms"]["triton_graph"] = _graph_ms(triton_call, do_bench)
+
+        def step_with_marshal():
+            backend.runner.new_step()
+            kdtree_call()
+
+        out["layer_ms"]["kdtree_graph_with_marshal_plan"] = _graph_ms(step_with_marshal, do_bench)
+        out["host_us"]["out_graph_kdtree"] = _host_us(lambda: backend.init_forward_metadata_out_graph(fb))
+        out["host_us"]["out_graph_triton"] = _host_us(lambda: TritonAttnBackend.init_forward_metadata_out_graph(backend, fb))
+    lm = out["layer_ms"]
+    out["speedup"] = {"eager": lm["triton"] / lm["kdtree"], "graph": lm["triton_graph"] / lm["kdtree_graph"]}
+    return out
+
+
+def run(cases=CASES, log=print) -> dict:
+    import triton.testing
+
+    import sglang
+
+    def do_bench(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    results = []
+    for case in cases:
+        try:
+            r = run_case(case, do_bench)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other cases
+            r = {"name": case.name, "error": f"{type(e).__name__}: {e}"}
+        results.append(r)
+        log(format_row(r))
+        torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+            "sglang": getattr(sglang, "__version__", "?"), "cases": results}
+
+
+def format_row(r: dict) -> str:
+    if "error" in r:
+        return f"{r['name']:28s} ERROR {r['error'][:120]}"
+    lm, h, m = r["layer_ms"], r["host_us"], r["step_metadata_ms"]
+    return (f"{r['name']:28s} layer kdtree {lm['kdtree']:.4f} / triton {lm['triton']:.4f} ms (x{r['speedup']['eager']:.1f}) "
+            f"| graph {lm['kdtree_graph']:.4f} / {lm['triton_graph']:.4f} ms (x{r['speedup']['graph']:.1f}), "
+            f"+marshal+plan {lm['kdtree_graph_with_marshal_plan']:.4f} | marshal+plan {m['kdtree_marshal_plan']:.4f} ms GPU, "
+            f"{h['kdtree_marshal_plan']:.0f} us host eager | out_graph host {h['out_graph_kdtree']:.0f} / "
+            f"{h['out_graph_triton']:.0f} us | rel {r['rel_vs_triton']:.2e}")
+
+
+def save(result: dict, path) -> None:
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1))
