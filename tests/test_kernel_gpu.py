@@ -105,7 +105,7 @@ def test_faults_are_caught_through_the_kernel(kern, path, fault):
     cap = load(path)
     lid = cap.meta.layer_ids[0]
     d = compare(cap, lid, run_impl("cuda", cap, lid, fault=fault, device="cuda"), oracle(cap, lid, device="cuda"))
-    assert d.rel > 0.3, d.line()
+    assert d.rel > 10 * d.tolerance and not d.passed, d.line()  # as tests/test_marshal.py: 0.16-0.18 on sglang-chain16
 
 
 def captured_launch(kern, p, args, q, pool, o, lse, ws) -> "torch.cuda.CUDAGraph":
