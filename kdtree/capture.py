@@ -21,26 +21,21 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-FORMAT_NAME = "kdtree-capture"
-FORMAT_VERSION = 1
-
-SHARED_TENSORS = ("qo_indptr", "kv_indptr", "kv_indices", "out_cache_loc", "custom_mask", "mask_indptr", "seq_lens")
-OPTIONAL_SHARED_TENSORS = ("positions",)
-POOL_SLOTS = "kv_buffer_slots"
-LAYER_TENSORS = ("q", "k", "o", "kv_buffer")
-OPTIONAL_LAYER_TENSORS = ("v", "lse")
-
-
-class CaptureError(ValueError):
-    """A capture that breaks a rule of the format: says which file, which tensor and which rule."""
-
-    def __init__(self, where: str | os.PathLike | None, tensor: str | None, message: str):
-        self.where, self.tensor, self.rule = (str(where) if where is not None else "<capture>"), tensor, message
-        super().__init__(f"{self.where}: {tensor}: {message}" if tensor else f"{self.where}: {message}")
-
-
-def layer_key(layer_id: int, name: str) -> str:
-    return f"layers.{layer_id}.{name}"
+from kdtree.format import (  # noqa: F401 - the format's names, re-exported where they were always imported from
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LAYER_TENSORS,
+    OPTIONAL_LAYER_TENSORS,
+    OPTIONAL_SHARED_TENSORS,
+    POOL_SLOTS,
+    SHARED_TENSORS,
+    CaptureError,
+    layer_key,
+)
+from kdtree.surgery import select_requests
+from kdtree.trees import depths as tree_depths
+from kdtree.trees import parents_from_mask
+from kdtree.validate import validate_capture
 
 
 @dataclass
@@ -196,8 +191,6 @@ class Capture:
     def from_tensors(cls, meta: CaptureMeta, tensors: Mapping[str, torch.Tensor], *, validate: bool = True) -> "Capture":
         cap = cls(meta, _Tensors(tensors={k: v.contiguous() for k, v in tensors.items()}))
         if validate:
-            from kdtree.validate import validate_capture
-
             validate_capture(cap)
         return cap
 
@@ -209,7 +202,55 @@ class Capture:
     def where(self) -> str:
         return str(self.path) if self.path is not None else "<capture>"
 
-    # ----- raw SGLang tensors (qo_indptr, kv_indptr, ... are properties, set below the class) ------
+    # ----- raw SGLang tensors (names as in docs/capture-format.md) --------------------------------
+    def _raw(self, name: str) -> torch.Tensor | None:
+        return self._tensors.get(name) if name in self._tensors else None
+
+    @property
+    def qo_indptr(self) -> torch.Tensor:
+        """[bs+1] query offsets (int32 in SGLang)"""
+        return self._raw("qo_indptr")
+
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        """[bs+1] cumsum of prefix lengths (committed tokens only)"""
+        return self._raw("kv_indptr")
+
+    @property
+    def kv_indices(self) -> torch.Tensor:
+        """[kv_indptr[bs]] pool slots of the prefixes only"""
+        return self._raw("kv_indices")
+
+    @property
+    def out_cache_loc(self) -> torch.Tensor:
+        """[T] pool slots holding the draft tokens' k"""
+        return self._raw("out_cache_loc")
+
+    @property
+    def custom_mask(self) -> torch.Tensor:
+        """flat bool/uint8; per request row-major [N, prefix_len + N]"""
+        return self._raw("custom_mask")
+
+    @property
+    def mask_indptr(self) -> torch.Tensor:
+        """[bs+1] start of each request's mask block"""
+        return self._raw("mask_indptr")
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """[bs] prefix lengths"""
+        return self._raw("seq_lens")
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """[T] rotary positions = prefix_len + depth (optional)"""
+        return self._raw("positions")
+
+    @property
+    def kv_buffer_slots(self) -> torch.Tensor:
+        """[R] sorted slot ids of the stored pool rows"""
+        return self._raw(POOL_SLOTS)
+
     def layer(self, layer_id: int) -> Layer:
         if layer_id not in self.meta.layer_ids:
             raise KeyError(f"{self.where}: no layer {layer_id}; layers: {self.meta.layer_ids}")
@@ -250,14 +291,10 @@ class Capture:
         return self.mask_rows(b)[:, int(self.prefix_lens[b]) :].bool()
 
     def parents(self, b: int):
-        from kdtree.trees import parents_from_mask
-
         return parents_from_mask(self.tree_block(b).numpy())
 
     def depths(self, b: int):
-        from kdtree.trees import depths
-
-        return depths(self.parents(b))
+        return tree_depths(self.parents(b))
 
     # ----- the pool -----------------------------------------------------------------------------
     def pool(self, layer_id: int, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -271,8 +308,6 @@ class Capture:
     # ----- batch surgery (used by tests and notebooks) ------------------------------------------
     def select(self, requests: list[int]) -> "Capture":
         """A capture of just these requests (same pool numbering)."""
-        from kdtree.surgery import select_requests
-
         return select_requests(self, requests)
 
     def __repr__(self) -> str:
@@ -281,24 +316,6 @@ class Capture:
             f"Capture({self.where}, bs={self.batch_size}, N={sorted(set(self.num_draft.tolist()))}, H={m.num_heads}, "
             f"layers={m.layer_ids}, source={m.source.get('kind')})"
         )
-
-
-def _stored(name: str, doc: str) -> property:
-    return property(lambda self: self._tensors.get(name) if name in self._tensors else None, doc=doc)
-
-
-for _name, _doc in {
-    "qo_indptr": "[bs+1] query offsets (int32 in SGLang)",
-    "kv_indptr": "[bs+1] cumsum of prefix lengths (committed tokens only)",
-    "kv_indices": "[kv_indptr[bs]] pool slots of the prefixes only",
-    "out_cache_loc": "[T] pool slots holding the draft tokens' k",
-    "custom_mask": "flat bool/uint8; per request row-major [N, prefix_len + N]",
-    "mask_indptr": "[bs+1] start of each request's mask block",
-    "seq_lens": "[bs] prefix lengths",
-    "positions": "[T] rotary positions = prefix_len + depth (optional)",
-    POOL_SLOTS: "[R] sorted slot ids of the stored pool rows",
-}.items():
-    setattr(Capture, _name, _stored(_name, _doc))
 
 
 def header_json(meta: CaptureMeta, version: int = FORMAT_VERSION) -> str:
@@ -333,8 +350,6 @@ def load(path: str | os.PathLike, *, validate: bool = True) -> Capture:
     meta = CaptureMeta.from_dict(head["meta"], str(path))
     cap = Capture(meta, _Tensors(handle=handle), path=path)
     if validate:
-        from kdtree.validate import validate_capture
-
         validate_capture(cap)
     return cap
 

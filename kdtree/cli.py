@@ -138,8 +138,7 @@ def diff(
     Prints `[kdtree] L<layer> max_abs_diff=... mean=... rel=...` per layer; exit 0 when every layer
     passes, 1 when any is outside tolerance, 2 on bad input.
     """
-    from kdtree.diff import diff_capture
-    from kdtree.impls import IMPLS, default_impl, unavailable
+    from kdtree.impls import IMPLS, default_impl, diff_capture, unavailable
     from kdtree.marshal import FAULTS
 
     impl = impl or default_impl()

@@ -1,8 +1,6 @@
-"""Compare an implementation's output with a reference: per layer, request, node and head.
-
-Outputs are poisoned with a NaN of a distinctive bit pattern before an implementation runs, so that
-elements it never wrote are told apart from NaNs it computed.
-"""
+"""Compare an implementation's output with a reference: per layer, request, node and head (elements still
+holding the poison of `kdtree.outputs` are counted as unwritten). Running the implementations is
+`kdtree.impls.diff_capture`'s."""
 
 from __future__ import annotations
 
@@ -11,21 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kdtree.capture import Capture
-from kdtree.reference import AttnOutput
+from kdtree.outputs import AttnOutput, unwritten_mask
 
-POISON_BITS = 0x7FA5  # a bf16 NaN no arithmetic produces (those are 0x7FC0 / 0xFFC0)
 DEFAULT_TOLERANCE = 1e-2
-
-
-def poisoned(shape, device="cpu") -> torch.Tensor:
-    """A bf16 output buffer every element of which is the poison pattern."""
-    return torch.full(shape, POISON_BITS, dtype=torch.int16, device=device).view(torch.bfloat16)
-
-
-def unwritten_mask(o: torch.Tensor) -> torch.Tensor:
-    if o.dtype != torch.bfloat16:
-        return torch.zeros(o.shape, dtype=torch.bool, device=o.device)
-    return o.view(torch.int16) == POISON_BITS
 
 
 @dataclass
@@ -135,27 +121,3 @@ def compare(cap: Capture, layer_id: int, out: AttnOutput, ref: AttnOutput, toler
         row_rel=row_rel.float().cpu(),
         row_max_abs=row_max.float().cpu(),
     )
-
-
-def diff_capture(
-    cap: Capture,
-    impl: str,
-    ref: str = "oracle",
-    *,
-    fault: str | None = None,
-    layers: list[int] | None = None,
-    tolerance: float = DEFAULT_TOLERANCE,
-    device=None,
-    on_layer=None,
-) -> list[LayerDiff]:
-    """Run `impl` and `ref` on each layer of `cap` and compare them."""
-    from kdtree.impls import run_impl
-
-    results = []
-    for lid in layers if layers is not None else cap.meta.layer_ids:
-        out = run_impl(impl, cap, lid, fault=fault, device=device)
-        want = run_impl(ref, cap, lid, device=device)
-        results.append(compare(cap, lid, out, want, tolerance))
-        if on_layer is not None:
-            on_layer(results[-1])
-    return results

@@ -1,4 +1,5 @@
-"""The implementations `kdtree diff` can run or compare against, by name."""
+"""The implementations `kdtree diff` can run or compare against, by name, and `diff_capture`, which runs two
+of them on a capture and compares them."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from typing import Callable
 import torch
 
 from kdtree.capture import Capture
+from kdtree.diff import DEFAULT_TOLERANCE, LayerDiff, compare
 from kdtree.marshal import marshal
 from kdtree.model import kernel_model
-from kdtree.reference import AttnOutput, emulate_triton, oracle
+from kdtree.outputs import AttnOutput, poisoned
+from kdtree.reference import emulate_triton, oracle
 
 
 def _oracle(cap: Capture, layer_id: int, device, fault):
@@ -27,7 +30,6 @@ def _model(cap: Capture, layer_id: int, device, fault):
 
 
 def _cuda(cap: Capture, layer_id: int, device, fault):
-    from kdtree.diff import poisoned
     from kdtree.kernel import VerifyKernel
 
     if not str(device).startswith("cuda"):
@@ -103,3 +105,25 @@ def run_impl(name: str, cap: Capture, layer_id: int, *, fault: str | None = None
         marshaled_names = [k for k, v in IMPLS.items() if v[1]]
         raise ValueError(f"--inject needs an implementation that reads the marshaled arguments ({', '.join(marshaled_names)}), not {name!r}")
     return fn(cap, layer_id, device or default_device(), fault)
+
+
+def diff_capture(
+    cap: Capture,
+    impl: str,
+    ref: str = "oracle",
+    *,
+    fault: str | None = None,
+    layers: list[int] | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    device=None,
+    on_layer=None,
+) -> list[LayerDiff]:
+    """Run `impl` and `ref` on each layer of `cap` and compare them."""
+    results = []
+    for lid in layers if layers is not None else cap.meta.layer_ids:
+        out = run_impl(impl, cap, lid, fault=fault, device=device)
+        want = run_impl(ref, cap, lid, device=device)
+        results.append(compare(cap, lid, out, want, tolerance))
+        if on_layer is not None:
+            on_layer(results[-1])
+    return results

@@ -12,7 +12,7 @@ import math
 import torch
 
 from kdtree.marshal import VerifyArgs
-from kdtree.reference import AttnOutput
+from kdtree.outputs import AttnOutput
 
 
 def _draft_visible(tree_words: torch.Tensor, j: torch.Tensor) -> torch.Tensor:

@@ -11,17 +11,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from kdtree.capture import Capture
-
-
-@dataclass
-class AttnOutput:
-    o: torch.Tensor  # [T, H, 512]
-    lse: torch.Tensor | None  # [T, H], natural log
+from kdtree.outputs import AttnOutput
 
 
 def _cap_logits(s: torch.Tensor, logit_cap: float) -> torch.Tensor:

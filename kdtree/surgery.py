@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kdtree.capture import POOL_SLOTS, Capture, layer_key
+from kdtree.format import POOL_SLOTS, layer_key
+
+if TYPE_CHECKING:
+    from kdtree.capture import Capture
 
 
 def _indptr(lengths: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -47,7 +52,7 @@ def select_requests(cap: Capture, requests: list[int]) -> Capture:
                 t[layer_key(lid, name)] = getattr(layer, name)[tok]
         t[layer_key(lid, "kv_buffer")] = _pool_rows(cap, lid, slots)
     meta = dataclasses.replace(cap.meta, source={**cap.meta.source, "selected_requests": list(requests)})
-    return Capture.from_tensors(meta, t)
+    return type(cap).from_tensors(meta, t)
 
 
 def relabel_slots(cap: Capture, new_slot_of: torch.Tensor) -> Capture:
@@ -61,4 +66,4 @@ def relabel_slots(cap: Capture, new_slot_of: torch.Tensor) -> Capture:
     t[POOL_SLOTS] = new_slots[order].to(cap.kv_buffer_slots.dtype)
     for lid in cap.meta.layer_ids:
         t[layer_key(lid, "kv_buffer")] = t[layer_key(lid, "kv_buffer")][order]
-    return Capture.from_tensors(cap.meta, t)
+    return type(cap).from_tensors(cap.meta, t)

@@ -9,18 +9,22 @@ draft keys in the pool equal `k` (SGLang writes them before attention).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kdtree.capture import (
+from kdtree.format import (
     LAYER_TENSORS,
     OPTIONAL_LAYER_TENSORS,
     OPTIONAL_SHARED_TENSORS,
     POOL_SLOTS,
     SHARED_TENSORS,
-    Capture,
     CaptureError,
     layer_key,
 )
+
+if TYPE_CHECKING:
+    from kdtree.capture import Capture
 
 INT_DTYPES = ("I32", "I64")
 TENSOR_DTYPES = {

@@ -23,7 +23,7 @@ from IPython.display import Image
 
 import kdtree
 from kdtree import plots
-from kdtree.diff import diff_capture
+from kdtree.impls import diff_capture
 from kdtree.marshal import FAULTS, marshal, unpack_bits
 
 cap = kdtree.load(Path("../data/captured_batches/ddtree64-bs3.safetensors"))

@@ -28,7 +28,7 @@ from IPython.display import Image
 
 import kdtree
 from kdtree import plots
-from kdtree.diff import diff_capture
+from kdtree.impls import diff_capture
 from kdtree.impls import gpu_available
 from kdtree.kernel import KernelConfig, device_arch, nvrtc_arch, nvrtc_compile, parse_ptxas
 

@@ -12,10 +12,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kdtree.capture import load  # noqa: E402
-from kdtree.diff import compare, poisoned  # noqa: E402
+from kdtree.diff import compare  # noqa: E402
+from kdtree.outputs import AttnOutput, poisoned  # noqa: E402
 from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, plan  # noqa: E402
 from kdtree.marshal import marshal  # noqa: E402
-from kdtree.reference import AttnOutput, emulate_triton, oracle  # noqa: E402
+from kdtree.reference import emulate_triton, oracle  # noqa: E402
 
 BM64 = KernelConfig.for_arch("sm_90")
 VARIANTS = {

@@ -3,8 +3,10 @@ import re
 import torch
 
 from kdtree.capture import load
-from kdtree.diff import POISON_BITS, compare, diff_capture, poisoned
-from kdtree.reference import AttnOutput, oracle
+from kdtree.diff import compare
+from kdtree.impls import diff_capture
+from kdtree.outputs import POISON_BITS, AttnOutput, poisoned
+from kdtree.reference import oracle
 
 from conftest import SHIPPED
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kdtree.capture import load
-from kdtree.diff import compare, poisoned
+from kdtree.diff import compare
+from kdtree.outputs import poisoned
 from kdtree.fuzz import fuzz_spec
 from kdtree.impls import run_impl
 from kdtree.marshal import FAULTS, marshal
@@ -262,7 +263,7 @@ def test_few_row_tiles_in_either_segment(few_rows):
     import dataclasses
 
     from kdtree.kernel import KernelConfig, VerifyKernel, device_arch
-    from kdtree.reference import AttnOutput
+    from kdtree.outputs import AttnOutput
 
     if device_arch() != "sm_90":
         pytest.skip(f"the wgmma segment needs Hopper (sm_90), this GPU is {device_arch()}")

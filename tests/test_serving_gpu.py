@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from kdtree.capture import load
-from kdtree.diff import compare, poisoned
+from kdtree.diff import compare
 from kdtree.marshal import marshal
-from kdtree.reference import AttnOutput, oracle
+from kdtree.outputs import AttnOutput, poisoned
+from kdtree.reference import oracle
 
 from conftest import SHIPPED, small
 

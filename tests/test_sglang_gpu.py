@@ -32,7 +32,7 @@ from sglang.test.kits.attention_unittest.runner_modes.speculative_target_verify_
 )
 
 from kdtree import load  # noqa: E402
-from kdtree.diff import diff_capture  # noqa: E402
+from kdtree.impls import diff_capture  # noqa: E402
 from kdtree.sglang import kit  # noqa: E402
 from kdtree.sglang.backend import KdtreeAttnBackend  # noqa: E402
 from kdtree.trees import chain, make_tree  # noqa: E402
