@@ -140,6 +140,7 @@ class KernelConfig:
             "VMLA_WG_PIPE": self.wg_pipe,
             "VMLA_FEW_ROWS": self.few_rows,
             "VMLA_FUSED_MERGE_SEGS": FUSED_MERGE_SEGS,  # the plan's bound, so the two cannot disagree
+            "VMLA_SMEM_BYTES": self.smem_bytes,  # checked against the kernel's own size by a static_assert
         }
 
     @property

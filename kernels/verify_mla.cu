@@ -109,8 +109,13 @@ using BlockSmem = Smem;
 constexpr int SMEM_ALIGN = 0;
 #endif
 
-// Dynamic shared memory verify_mla_fwd needs (kdtree.kernel.KernelConfig.smem_bytes must agree; a GPU test checks).
+// Dynamic shared memory verify_mla_fwd needs. The host passes what it will launch with
+// (kdtree.kernel.KernelConfig.smem_bytes) as VMLA_SMEM_BYTES: a disagreement fails the compile, on any machine.
 extern "C" __constant__ int verify_mla_smem_bytes = sizeof(BlockSmem) + SMEM_ALIGN;
+#ifdef VMLA_SMEM_BYTES
+static_assert(sizeof(BlockSmem) + SMEM_ALIGN == VMLA_SMEM_BYTES,
+              "KernelConfig.smem_bytes (VMLA_SMEM_BYTES) is not the shared memory verify_mla_fwd uses");
+#endif
 
 // The fused merge: after a block has written its partial of a split row tile, the last of the tile's `segs`
 // blocks to finish (counted in *counter, reset to 0 for the next launch) combines them into o/lse. Only for
