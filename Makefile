@@ -10,7 +10,7 @@ EXTRAS ?= lab,dev,nvrtc
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kdtree-installed
 
-.PHONY: lab test test-gpu bench captures clean
+.PHONY: lab test lint test-gpu bench captures clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ lab: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# ruff (configured in pyproject.toml): lint and formatting of the package, tests and scripts
+lint: $(STAMP)
+	$(BIN)/ruff check kdtree tests scripts
+	$(BIN)/ruff format --check kdtree tests scripts
 
 # On a machine with a CUDA GPU, torch, CuPy and triton (e.g. the lent H200: `scripts/gpu_session.sh all`
 # does these in one call). Without a GPU the GPU tests skip with a reason.

@@ -31,7 +31,11 @@ class BenchCase:
 
     def spec(self) -> SynthSpec:
         return SynthSpec(
-            preset=self.preset, batch_size=len(self.prefix_lens), prefix_lens=list(self.prefix_lens), budget=self.num_draft - 1, seed=0
+            preset=self.preset,
+            batch_size=len(self.prefix_lens),
+            prefix_lens=list(self.prefix_lens),
+            budget=self.num_draft - 1,
+            seed=0,
         )
 
 
@@ -88,7 +92,7 @@ def measure_ceilings(do_bench) -> dict:
 
 
 # ----- implementations under test ----------------------------------------------------------------
-def _rotations(cap: Capture, copies: int):
+def rotations(cap: Capture, copies: int):
     """`copies` distinct (q, pool) input sets on the GPU."""
     lid = cap.meta.layer_ids[0]
     q0, pool0 = cap.layer(lid).q.cuda(), cap.pool(lid, "cuda")
@@ -116,7 +120,15 @@ def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
     o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(T, H, device="cuda")
     fn = cycling(sets, lambda q, pool: kern.launch(p, dev, q, pool, o, lse, ws))
-    info = {"grid": p.grid, "units": p.units, "segments": p.segments, "bm": p.config.bm, "wgmma": p.config.wgmma, "few_rows": p.config.few_row_limit, "smem": p.config.smem_bytes}
+    info = {
+        "grid": p.grid,
+        "units": p.units,
+        "segments": p.segments,
+        "bm": p.config.bm,
+        "wgmma": p.config.wgmma,
+        "few_rows": p.config.few_row_limit,
+        "smem": p.config.smem_bytes,
+    }
     return fn, o, info
 
 
@@ -187,8 +199,10 @@ def run(cases=CASES, *, with_sglang: bool = True, min_rotation_bytes: float = 3 
         flops, nbytes = case_flops(cap), case_bytes(cap)
         floor_ms = max(flops / (ceilings["matmul_bf16_tflops"] * 1e9), nbytes / (ceilings["copy_tbps"] * 1e9))
         copies = max(1, min(6, math.ceil(min_rotation_bytes / max(nbytes, 1))))
-        sets = _rotations(cap, copies)
-        r = CaseResult(case.name, cap.batch_size, cap.prefix_lens.tolist(), case.num_draft, cap.meta.num_heads, flops, nbytes, floor_ms)
+        sets = rotations(cap, copies)
+        r = CaseResult(
+            case.name, cap.batch_size, cap.prefix_lens.tolist(), case.num_draft, cap.meta.num_heads, flops, nbytes, floor_ms
+        )
         impls = {"kdtree": lambda: kdtree_fn(cap, args, sets), "torch": lambda: naive_fn(cap, args, sets)}
         if ext is not None:
             impls["sglang"] = lambda: sglang_fn(cap, args, sets, ext)

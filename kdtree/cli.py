@@ -125,7 +125,9 @@ def synth(
 @bad_input_exits_2
 def diff(
     captures: List[Path] = typer.Argument(..., help="capture files (.safetensors)"),
-    impl: Optional[str] = typer.Option(None, help="implementation under test: model (default without a GPU), emulation, oracle, capture"),
+    impl: Optional[str] = typer.Option(
+        None, help="implementation under test: model (default without a GPU), emulation, oracle, capture"
+    ),
     ref: str = typer.Option("oracle", help="reference: oracle (fp64), capture (the o SGLang produced), emulation"),
     inject: Optional[str] = typer.Option(None, help="marshaling fault to inject: prefix-only-kv, prefix-stride"),
     layer: Optional[List[int]] = typer.Option(None, help="only these layers (repeatable)"),
@@ -177,11 +179,20 @@ def diff(
                             f"abs {w['abs_diff']:.4e} rel {w['rel']:.4e}"
                         )
 
-            results = diff_capture(cap, impl, ref, fault=inject, layers=layer or None, tolerance=tol, device=device, on_layer=show)
+            results = diff_capture(
+                cap, impl, ref, fault=inject, layers=layer or None, tolerance=tol, device=device, on_layer=show
+            )
             passed = all(d.passed for d in results)
             all_passed &= passed
             report.append(
-                {"path": cap.where, "impl": impl, "ref": ref, "inject": inject, "passed": passed, "layers": [d.to_json() for d in results]}
+                {
+                    "path": cap.where,
+                    "impl": impl,
+                    "ref": ref,
+                    "inject": inject,
+                    "passed": passed,
+                    "layers": [d.to_json() for d in results],
+                }
             )
     if as_json:
         typer.echo(json.dumps({"passed": all_passed, "tolerance": tol, "captures": report}, indent=1))
@@ -201,7 +212,13 @@ def compile_(
     """Cross-compile kernels/verify_mla.cu with NVRTC (no GPU needed) and report registers, spills and
     shared memory per kernel against each target's limits. Exit 1 on spills or over-limit shared memory."""
     from kdtree.kernel import (
-        ARCH_LIMITS, KernelCompileError, KernelConfig, compile_report, nvrtc_version, source_files, use_nvrtc_library,
+        ARCH_LIMITS,
+        KernelCompileError,
+        KernelConfig,
+        compile_report,
+        nvrtc_version,
+        source_files,
+        use_nvrtc_library,
     )
 
     for a in arch:
@@ -214,7 +231,7 @@ def compile_(
         reports = [r for a in arch for c in KernelConfig.candidates(a) for r in compile_report(a, c)]
     except KernelCompileError as e:
         typer.echo(str(e), err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     except (RuntimeError, ValueError, OSError) as e:
         _fail(str(e))
     if as_json:
@@ -233,8 +250,12 @@ def bench(
     out: Path = typer.Option(Path("bench-out"), "--out", "-o", help="folder for bench.json and bench.png"),
     case: Optional[List[str]] = typer.Option(None, help="only cases whose name contains this (repeatable)"),
     no_sglang: bool = typer.Option(False, "--no-sglang", help="skip SGLang's Triton kernel even if importable"),
-    sglang_backend: bool = typer.Option(False, "--sglang", help="the kdtree backend against SGLang's Triton backend "
-                                        "(eager and CUDA-graph replayed, metadata and host time); needs SGLang"),
+    sglang_backend: bool = typer.Option(
+        False,
+        "--sglang",
+        help="the kdtree backend against SGLang's Triton backend "
+        "(eager and CUDA-graph replayed, metadata and host time); needs SGLang",
+    ),
 ):
     """Time the kernel against SGLang's Triton kernel and plain torch on the anchor cases, with the
     roofline from ceilings measured in the same run. Needs a CUDA GPU."""

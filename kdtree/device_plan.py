@@ -46,8 +46,9 @@ class PlanShape:
         return max(1, 2 * (self.grid - 1))
 
 
-def balanced_split_t(rt_unit_start: torch.Tensor, grid: int, live: torch.Tensor, segment_units: float,
-                     rt_weight: torch.Tensor) -> torch.Tensor:
+def balanced_split_t(
+    rt_unit_start: torch.Tensor, grid: int, live: torch.Tensor, segment_units: float, rt_weight: torch.Tensor
+) -> torch.Tensor:
     """`kdtree.kernel.balanced_split` over `live` blocks (a device scalar, <= grid), then grid - live empty
     blocks: [grid + 1] block boundaries."""
     dev = rt_unit_start.device
@@ -67,9 +68,15 @@ def balanced_split_t(rt_unit_start: torch.Tensor, grid: int, live: torch.Tensor,
     return torch.where(idx >= live, units, bounds)
 
 
-def plan_on_device(qo_indptr: torch.Tensor, combined_kv_indptr: torch.Tensor, shape: PlanShape, *,
-                   mask_words: int, segment_units: float = SEGMENT_OVERHEAD_UNITS,
-                   few_unit_cost: float = FEW_UNIT_COST) -> LaunchPlan:
+def plan_on_device(
+    qo_indptr: torch.Tensor,
+    combined_kv_indptr: torch.Tensor,
+    shape: PlanShape,
+    *,
+    mask_words: int,
+    segment_units: float = SEGMENT_OVERHEAD_UNITS,
+    few_unit_cost: float = FEW_UNIT_COST,
+) -> LaunchPlan:
     """A `LaunchPlan` (fused merge off) of `shape.grid` blocks for this batch, on the indptrs' device.
 
     `units` and `work` are not known on the host (-1 in the returned plan); `segments` is the bound
@@ -112,6 +119,16 @@ def plan_on_device(qo_indptr: torch.Tensor, combined_kv_indptr: torch.Tensor, sh
         "row_merge": row_merge.reshape(-1),
     }
     assert set(arrays) == set(PLAN_ARRAYS)
-    return LaunchPlan(batch_size=bs, num_heads=shape.num_heads, total_rows=shape.total_rows, mask_words=mask_words,
-                      grid=shape.grid, units=-1, work=-1.0, segments=shape.max_segments, fused_merge=False, config=cfg,
-                      arrays={k: v.to(torch.int32) for k, v in arrays.items()})
+    return LaunchPlan(
+        batch_size=bs,
+        num_heads=shape.num_heads,
+        total_rows=shape.total_rows,
+        mask_words=mask_words,
+        grid=shape.grid,
+        units=-1,
+        work=-1.0,
+        segments=shape.max_segments,
+        fused_merge=False,
+        config=cfg,
+        arrays={k: v.to(torch.int32) for k, v in arrays.items()},
+    )

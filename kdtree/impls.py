@@ -103,7 +103,9 @@ def run_impl(name: str, cap: Capture, layer_id: int, *, fault: str | None = None
     fn, marshaled, _ = IMPLS[name]
     if fault is not None and not marshaled:
         marshaled_names = [k for k, v in IMPLS.items() if v[1]]
-        raise ValueError(f"--inject needs an implementation that reads the marshaled arguments ({', '.join(marshaled_names)}), not {name!r}")
+        raise ValueError(
+            f"--inject needs an implementation that reads the marshaled arguments ({', '.join(marshaled_names)}), not {name!r}"
+        )
     return fn(cap, layer_id, device or default_device(), fault)
 
 

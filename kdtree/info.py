@@ -82,4 +82,3 @@ def format_summary(s: dict) -> str:
             f"{r['max_branching']:>10}  {r['slot_runs']:>9}"
         )
     return "\n".join(lines)
-

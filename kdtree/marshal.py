@@ -59,11 +59,7 @@ class VerifyArgs:
         return self.qo_indptr.numel() - 1
 
     def to(self, device) -> "VerifyArgs":
-        moved = {
-            k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-            for k, v in self.__dict__.items()
-            if k != "steps"
-        }
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items() if k != "steps"}
         return VerifyArgs(**moved, steps=self.steps)
 
 

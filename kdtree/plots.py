@@ -64,8 +64,15 @@ def mask_blocks(mask: np.ndarray, max_rows: int = 1024, max_cols: int = 1024) ->
     return np.where(all_, ALL, np.where(any_, MIXED, NONE)).astype(np.uint8), fr, fc
 
 
-def mask_figure(rows: np.ndarray, prefix_len: int, *, title: str = "", zoom: tuple[int, int, int, int] | None = None,
-                selected: int | None = None, max_cells: int = 1024) -> Figure:
+def mask_figure(
+    rows: np.ndarray,
+    prefix_len: int,
+    *,
+    title: str = "",
+    zoom: tuple[int, int, int, int] | None = None,
+    selected: int | None = None,
+    max_cells: int = 1024,
+) -> Figure:
     """The custom mask of one request as SGLang lays it out, [N, prefix_len + N]: prefix columns then draft
     columns. `zoom` = (row0, row1, col0, col1) crops first; `selected` outlines one node's row."""
     rows = np.asarray(rows, dtype=bool)
@@ -74,8 +81,15 @@ def mask_figure(rows: np.ndarray, prefix_len: int, *, title: str = "", zoom: tup
     blocks, fr, fc = mask_blocks(view, max_cells, max_cells)
     fig = Figure(figsize=(9, 3.8))
     ax = fig.subplots()
-    ax.imshow(blocks, cmap=MASK_CMAP, vmin=0, vmax=2, aspect="auto", interpolation="nearest",
-              extent=(c0 - 0.5, c0 + blocks.shape[1] * fc - 0.5, r0 + blocks.shape[0] * fr - 0.5, r0 - 0.5))
+    ax.imshow(
+        blocks,
+        cmap=MASK_CMAP,
+        vmin=0,
+        vmax=2,
+        aspect="auto",
+        interpolation="nearest",
+        extent=(c0 - 0.5, c0 + blocks.shape[1] * fc - 0.5, r0 + blocks.shape[0] * fr - 0.5, r0 - 0.5),
+    )
     if c0 <= prefix_len <= c1:
         ax.axvline(prefix_len - 0.5, color="#e76f51", lw=1.5, label=f"draft columns start (prefix_len = {prefix_len})")
     if selected is not None and r0 <= selected < r1:

@@ -60,7 +60,9 @@ class SynthSpec:
         if len(s.prefix_lens) == 1:
             s.prefix_lens = s.prefix_lens * s.batch_size
         if len(s.prefix_lens) != s.batch_size:
-            raise ValueError(f"prefix_lens: {len(s.prefix_lens)} values for batch_size {s.batch_size} (give one, or one per request)")
+            raise ValueError(
+                f"prefix_lens: {len(s.prefix_lens)} values for batch_size {s.batch_size} (give one, or one per request)"
+            )
         if any(p < 0 or p > 1 << 20 for p in s.prefix_lens):
             raise ValueError(f"prefix_lens must lie in [0, 2^20], got {s.prefix_lens}")
         if s.tree == "ddtree":

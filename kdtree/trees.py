@@ -129,7 +129,9 @@ def ddtree(budget: int, logprobs: np.ndarray) -> np.ndarray:
         parents.append(parent)
         if rank + 1 < topk:
             tie += 1
-            heapq.heappush(frontier, (-(parent_score + logprobs[depth - 1, rank + 1]), tie, parent, depth, rank + 1, parent_score))
+            heapq.heappush(
+                frontier, (-(parent_score + logprobs[depth - 1, rank + 1]), tie, parent, depth, rank + 1, parent_score)
+            )
         if depth < max_depth:
             tie += 1
             heapq.heappush(frontier, (-(score + logprobs[depth, 0]), tie, node, depth + 1, 0, score))

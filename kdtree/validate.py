@@ -287,8 +287,7 @@ def tree_block_problem(block: torch.Tensor) -> str | None:
         p = int(parent[i])
         extra = (block[i] & ~expected[i - 1]).nonzero().flatten().tolist()
         lost = (~block[i] & expected[i - 1]).nonzero().flatten().tolist()
-        return (
-            f"node {i} is not ancestor-closed: its deepest visible node is {p}, but it "
-            + (f"sees {extra[:4]} that {p} does not" if extra else f"misses {lost[:4]} that {p} sees")
+        return f"node {i} is not ancestor-closed: its deepest visible node is {p}, but it " + (
+            f"sees {extra[:4]} that {p} does not" if extra else f"misses {lost[:4]} that {p} sees"
         )
     return None

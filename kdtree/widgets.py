@@ -32,7 +32,9 @@ def request_checks(cap: Capture) -> list[str]:
     out = []
     for b in range(cap.batch_size):
         problem = tree_block_problem(cap.tree_block(b))
-        out.append(f"request {b}: prefix {int(cap.prefix_lens[b])}, N {int(cap.num_draft[b])}: " + (problem or "well-formed tree"))
+        out.append(
+            f"request {b}: prefix {int(cap.prefix_lens[b])}, N {int(cap.num_draft[b])}: " + (problem or "well-formed tree")
+        )
     return out
 
 
@@ -46,8 +48,14 @@ class DDTreeExplorer:
         self.capture = W.Dropdown(options=list(self.paths), description="capture")
         self.request = W.IntSlider(description="request", min=0, max=0)
         self.view = W.ToggleButtons(options=["draft block", "whole mask"], description="view")
-        self.zoom = W.FloatSlider(description="zoom", min=1.0, max=64.0, value=1.0, step=1.0,
-                                  tooltip="whole mask: show the last 1/zoom of the columns (the draft end)")
+        self.zoom = W.FloatSlider(
+            description="zoom",
+            min=1.0,
+            max=64.0,
+            value=1.0,
+            step=1.0,
+            tooltip="whole mask: show the last 1/zoom of the columns (the draft end)",
+        )
         self.node = W.IntSlider(description="node", min=0, max=0)
         self.out = W.Output()
         self.capture.observe(self._on_capture, names="value")
@@ -79,8 +87,12 @@ class DDTreeExplorer:
             rows = cap.mask_rows(b).numpy()
             width = rows.shape[1]
             c0 = int(width - width / self.zoom.value)
-            mask = plots.mask_figure(rows, p, selected=node, zoom=(0, n, c0, width), title=f"request {b}: [N, prefix_len + N] mask")
-        tree = plots.tree_figure(cap.parents(b), selected=node, title=f"request {b}: node {node} at depth {int(cap.depths(b)[node])}")
+            mask = plots.mask_figure(
+                rows, p, selected=node, zoom=(0, n, c0, width), title=f"request {b}: [N, prefix_len + N] mask"
+            )
+        tree = plots.tree_figure(
+            cap.parents(b), selected=node, title=f"request {b}: node {node} at depth {int(cap.depths(b)[node])}"
+        )
         self.state = ExplorerState(self.capture.value, b, node, self.view.value, self.state.renders + 1, self.state.checks)
         with self.out:
             self.out.clear_output(wait=True)

@@ -3,7 +3,7 @@
 // For request b, draft node i, head h:  o[i,h] = sum_t softmax_t(scale * q[i,h].K[t]) V[t]
 // over every prefix key and the draft keys node i may see (bit j of tree_mask[token, j/32]).
 // K[t] is the 576-wide pool row at combined_kv_indices[kv_indptr[b] + t] (prefix slots ++ out_cache_loc),
-// V[t] its first 512 columns. See docs/kernel-notes.md for the design and its numbers.
+// V[t] its first 512 columns. See docs/kernel-design.md for the design and its numbers.
 //
 // Work decomposition: all heads of all nodes of a request share one KV stream, so rows (node, head) are
 // packed into M (row r of request b = q[(qo_indptr[b] * H) + r]) and cut into row tiles of BM rows. The

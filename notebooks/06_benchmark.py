@@ -15,7 +15,7 @@
 # # Benchmark
 # `kdtree bench` results: the kernel against SGLang's Triton kernel and plain torch, timed in the same run,
 # with the roofline from ceilings measured in that run. The shipped result was measured on an H200
-# (see docs/kernel-notes.md); point `RESULT` at your own `bench.json` to see yours.
+# (see docs/kernel-design.md); point `RESULT` at your own `bench.json` to see yours.
 
 # %%
 import json
@@ -26,7 +26,7 @@ from IPython.display import Image
 from kdtree import plots
 from kdtree.bench import summary_table
 
-RESULT = Path("../docs/bench/v7-h200.json")
+RESULT = Path("../docs/bench/v13-h200.json")
 result = json.loads(RESULT.read_text())
 print(summary_table(result))
 

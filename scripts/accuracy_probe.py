@@ -5,17 +5,15 @@ Usage: python3 scripts/accuracy_probe.py   (needs a GPU)
 """
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kdtree.capture import load  # noqa: E402
 from kdtree.diff import compare  # noqa: E402
-from kdtree.outputs import AttnOutput, poisoned  # noqa: E402
 from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, plan  # noqa: E402
 from kdtree.marshal import marshal  # noqa: E402
+from kdtree.outputs import AttnOutput, poisoned  # noqa: E402
 from kdtree.reference import emulate_triton, oracle  # noqa: E402
 
 BM64 = KernelConfig.for_arch("sm_90")
@@ -49,6 +47,8 @@ for path in sorted(Path("data/captured_batches").glob("*.safetensors")):
         t = int(cap.qo_indptr[w["request"]]) + w["node"]
         err = (o[t, w["head"]].double() - ref.o[t, w["head"]].double().to(o.device)).abs()
         c = int(err.argmax())
-        print(f"{'':16s} {name:14s} max_abs {d.max_abs:.4f} rel {d.rel:.3e} ratio {d.max_abs / emu.max_abs:.2f} "
-              f"worst (req {w['request']} node {w['node']} head {w['head']} col {c}) got {float(o[t, w['head'], c]):.4f} "
-              f"want {float(ref.o[t, w['head'], c]):.4f} segments {p.segments} fused {p.fused_merge}")
+        print(
+            f"{'':16s} {name:14s} max_abs {d.max_abs:.4f} rel {d.rel:.3e} ratio {d.max_abs / emu.max_abs:.2f} "
+            f"worst (req {w['request']} node {w['node']} head {w['head']} col {c}) got {float(o[t, w['head'], c]):.4f} "
+            f"want {float(ref.o[t, w['head'], c]):.4f} segments {p.segments} fused {p.fused_merge}"
+        )

@@ -6,12 +6,10 @@ Usage: python3 scripts/merge_cost.py [case substring ...]   (needs a GPU; prints
 
 import dataclasses
 import sys
-from pathlib import Path
 
 import torch
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kdtree import bench  # noqa: E402
 from kdtree.kernel import VerifyKernel, Workspace  # noqa: E402
 from kdtree.marshal import marshal  # noqa: E402
@@ -25,7 +23,7 @@ def main():
         cap = synthesize(case.spec(), reference=False)
         args = marshal(cap)
         dev = args.to("cuda")
-        sets = bench._rotations(cap, 2)
+        sets = bench.rotations(cap, 2)
         T, H = cap.num_tokens, cap.meta.num_heads
         o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(T, H, device="cuda")
@@ -39,8 +37,12 @@ def main():
             us[name] = 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
         z = torch.empty(1, device="cuda")
         us["one_op"] = 1e3 * triton.testing.do_bench(lambda: z.add_(1), warmup=25, rep=100, return_mode="median")
-        print(f"{case.name}: " + ", ".join(f"{k} {v:.1f} us" for k, v in us.items())
-              + f"; merge {us['full'] - us['fwd_only']:.1f} us; {p.segments} partials, {p.total_rows} rows", flush=True)
+        print(
+            f"{case.name}: "
+            + ", ".join(f"{k} {v:.1f} us" for k, v in us.items())
+            + f"; merge {us['full'] - us['fwd_only']:.1f} us; {p.segments} partials, {p.total_rows} rows",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -7,12 +7,9 @@ Usage: ncu --clock-control none -k verify_mla_fwd --launch-skip 3 --launch-count
 
 import argparse
 import dataclasses
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kdtree import bench  # noqa: E402
 from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, device_arch  # noqa: E402
 from kdtree.marshal import marshal  # noqa: E402

@@ -1,5 +1,5 @@
 """SHA-256 of the SASS of every kernel for every target's configurations (NVRTC, then nvdisasm): run before and
-after a source change that must not change the code (docs/kernel-notes.md). No GPU needed.
+after a source change that must not change the code (docs/kernel-design.md, "Switches that remain"). No GPU needed.
 
 Usage: python3 scripts/sass_digest.py [--nvrtc path/to/libnvrtc.so.13] [--nvdisasm path/to/nvdisasm]"""
 
@@ -12,8 +12,11 @@ from pathlib import Path
 
 from kdtree.kernel import KernelConfig, nvrtc_compile, nvrtc_version, use_nvrtc_library
 
-TARGETS = [("sm_120", c) for c in KernelConfig.candidates("sm_120")] + [("sm_90", c) for c in KernelConfig.candidates("sm_90")] + [
-    ("sm_100", c) for c in KernelConfig.candidates("sm_100")]
+TARGETS = (
+    [("sm_120", c) for c in KernelConfig.candidates("sm_120")]
+    + [("sm_90", c) for c in KernelConfig.candidates("sm_90")]
+    + [("sm_100", c) for c in KernelConfig.candidates("sm_100")]
+)
 
 
 def sass(cubin: bytes, nvdisasm: str) -> str:

@@ -1,10 +1,9 @@
 """`kdtree bench --sglang` on a machine where SGLang imports but sgl_kernel does not (the lent H200): the test
-harness's sgl_kernel stand-in (tests/sglang_harness), then the benchmark. Usage: python3 scripts/sglang_bench.py OUT.json [CASE ...]"""
+harness's sgl_kernel stand-in (tests/sglang_harness, on PYTHONPATH:
+scripts/gpu_session.sh puts it there), then the benchmark. Usage: python3 scripts/sglang_bench.py OUT.json [CASE ...]"""
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from sglang_harness import install_sgl_kernel_shim  # noqa: E402
 
 install_sgl_kernel_shim()

@@ -2,7 +2,8 @@
 mode, from SGLang's own backend path: the attention test kit's runner (real ForwardBatch, ReqToTokenPool,
 MLATokenToKVPool, EagleVerifyInput custom mask; Triton's output as the reference), 576/512 bf16, Kimi K2's scale.
 
-Usage (GPU, SGLang importable; `scripts/gpu_session.sh sglang-captures`): python3 scripts/sglang_captures.py OUT_DIR
+Usage (GPU, SGLang importable, tests/ on PYTHONPATH for the sgl_kernel stand-in; `scripts/gpu_session.sh
+sglang-captures`): python3 scripts/sglang_captures.py OUT_DIR
 """
 
 import os
@@ -11,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from sglang_harness import install_sgl_kernel_shim  # noqa: E402
 
 install_sgl_kernel_shim()

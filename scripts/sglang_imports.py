@@ -1,11 +1,7 @@
 """Which names SGLang's import chain asks of `sgl_kernel` (for the test harness's shim): imports the Triton
 backend, the MLA pool, the attention test kit, the plugin loader and the server argument parser with the shim
-and prints the names asked of it. Run where SGLang is importable and sgl_kernel is not."""
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+and prints the names asked of it. Run where SGLang is importable and sgl_kernel is not,
+with tests/ on PYTHONPATH (scripts/gpu_session.sh sglang)."""
 
 import sglang_harness  # noqa: E402
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kdtree import bench  # noqa: E402
 from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, device_arch, plan  # noqa: E402
 from kdtree.marshal import marshal  # noqa: E402
 from kdtree.synth import synthesize  # noqa: E402
+
 
 def segment_tiles(p) -> list[list[int]]:
     """Key tiles of each segment of each block, in the kernel's order."""
@@ -39,7 +39,7 @@ def summarize(tr: np.ndarray, tiles: list[list[int]]) -> dict:
     for c, segs in enumerate(tiles):
         o = 0.0
         for s, n in enumerate(segs[:6]):
-            e = us[c, 1 + 5 * s: 6 + 5 * s]
+            e = us[c, 1 + 5 * s : 6 + 5 * s]
             seg["prologue"].append(e[1] - e[0])
             seg["first_tile"].append(e[2] - e[1])
             if n > 1:
@@ -50,9 +50,14 @@ def summarize(tr: np.ndarray, tiles: list[list[int]]) -> dict:
         overhead.append(o)
     q = lambda v: {"mean": float(np.mean(v)), "min": float(np.min(v)), "max": float(np.max(v))}  # noqa: E731
     return {
-        "block_start": q(us[:, 0]), "block_end": q(us[:, 31]), "kernel_span": float(us[:, 31].max()),
-        "block_busy": q(busy), "block_segment_overhead": q(overhead), **{k: q(v) for k, v in seg.items() if v},
-        "segments_per_block": q([len(s) for s in tiles]), "tiles_per_block": q([sum(s) for s in tiles]),
+        "block_start": q(us[:, 0]),
+        "block_end": q(us[:, 31]),
+        "kernel_span": float(us[:, 31].max()),
+        "block_busy": q(busy),
+        "block_segment_overhead": q(overhead),
+        **{k: q(v) for k, v in seg.items() if v},
+        "segments_per_block": q([len(s) for s in tiles]),
+        "tiles_per_block": q([sum(s) for s in tiles]),
     }
 
 
@@ -102,7 +107,9 @@ def main():
         name = case.name + ("" if su is None else f" segment_units={su:g}")
         results[name] = {"grid": p.grid, "units": p.units, "segments": p.segments, "tiles": tiles, "median_launch": best}
         print(f"{name}: grid {p.grid}, units {p.units}, segments {p.segments}, merge kernel {p.split and not p.fused_merge}")
-        print(f"   launch (events, fwd + merge) {best['event_ms_with_merge'] * 1e3:.1f} us; fwd span {best['kernel_span']:.1f} us")
+        print(
+            f"   launch (events, fwd + merge) {best['event_ms_with_merge'] * 1e3:.1f} us; fwd span {best['kernel_span']:.1f} us"
+        )
         for k, v in best.items():
             if isinstance(v, dict):
                 print(f"   {k:24s} mean {v['mean']:7.2f}  min {v['min']:7.2f}  max {v['max']:7.2f}")

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kdtree import bench  # noqa: E402
 from kdtree.kernel import MERGE_THREADS, KernelConfig, VerifyKernel, Workspace, pdl_available, plan  # noqa: E402
 from kdtree.marshal import marshal  # noqa: E402
@@ -23,8 +22,14 @@ from kdtree.synth import synthesize  # noqa: E402
 BM64 = dict(bm=64, q_smem=True, rgroups=2, khalves=1)
 V6_PLAN = dict(fused_merge=False)  # v6's plan: the merge kernel
 # VMLA_SKIP_* sets: variant suffix -> the parts left out (the wgmma body also has the partial-score exchange)
-SKIPS = {"qk": ["QK"], "pv": ["PV"], "mma": ["QK", "PV"], "softmax": ["SOFTMAX"], "load": ["LOAD"],
-         "all": ["QK", "PV", "SOFTMAX", "LOAD"]}
+SKIPS = {
+    "qk": ["QK"],
+    "pv": ["PV"],
+    "mma": ["QK", "PV"],
+    "softmax": ["SOFTMAX"],
+    "load": ["LOAD"],
+    "all": ["QK", "PV", "SOFTMAX", "LOAD"],
+}
 WGMMA_SKIPS = SKIPS | {"exchange": ["EXCHANGE"], "load_mma": ["LOAD", "QK", "PV"], "all": SKIPS["all"] + ["EXCHANGE"]}
 # name -> (configuration, plan options)
 VARIANTS = {
@@ -62,10 +67,16 @@ VARIANTS = {
     "wgmma_nopdl": (KernelConfig.for_arch("sm_90a"), {"_pdl": False}),
     "wgmma_merge128": (KernelConfig.for_arch("sm_90a"), {"_merge_threads": 128}),
     "wgmma_nopdl_merge128": (KernelConfig.for_arch("sm_90a"), {"_pdl": False, "_merge_threads": 128}),
-    "wgmma_merge32": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), extra=(("VMLA_MERGE_VECS", 4),)), {"_merge_threads": 32}),
+    "wgmma_merge32": (
+        dataclasses.replace(KernelConfig.for_arch("sm_90a"), extra=(("VMLA_MERGE_VECS", 4),)),
+        {"_merge_threads": 32},
+    ),
     # few-row tiles (<= 16 rows) as 64-row wgmma tiles instead of the mma.sync few-row segment; its plan weight
     "wgmma_nofew": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0), {}),
-    **{f"wgmma_few{round(c * 100)}": (KernelConfig.for_arch("sm_90a"), {"few_unit_cost": c}) for c in (0.3, 0.5, 0.55, 0.6, 0.65, 0.7)},
+    **{
+        f"wgmma_few{round(c * 100)}": (KernelConfig.for_arch("sm_90a"), {"few_unit_cost": c})
+        for c in (0.3, 0.5, 0.55, 0.6, 0.65, 0.7)
+    },
     "wgmma_pipe_p_smem": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=2), {}),
     "wgmma_merge_kernel": (KernelConfig.for_arch("sm_90a"), {"fused_merge": False}),
     "wgmma_fused": (KernelConfig.for_arch("sm_90a"), {"fused_merge": True}),
@@ -77,8 +88,11 @@ VARIANTS = {
     # the same kernel with parts of each tile's work left out (wrong output; where does the time go?)
     **{
         f"{name}_skip_{n}": (dataclasses.replace(config, extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})
-        for name, config, skips in (("bm64", KernelConfig(**BM64), SKIPS), ("bm32", KernelConfig(), SKIPS),
-                                    ("wgmma", KernelConfig.for_arch("sm_90a"), WGMMA_SKIPS))
+        for name, config, skips in (
+            ("bm64", KernelConfig(**BM64), SKIPS),
+            ("bm32", KernelConfig(), SKIPS),
+            ("wgmma", KernelConfig.for_arch("sm_90a"), WGMMA_SKIPS),
+        )
         for n, ks in skips.items()
     },
 }
@@ -96,7 +110,7 @@ def main():
         cap = synthesize(case.spec(), reference=False)
         args = marshal(cap)
         dev = args.to("cuda")
-        sets = bench._rotations(cap, 2)
+        sets = bench.rotations(cap, 2)
         flops = bench.case_flops(cap)
         T, H = cap.num_tokens, cap.meta.num_heads
         o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
@@ -123,7 +137,15 @@ def main():
                 ref = first.setdefault(case.name, o.float().clone())  # the first variant's output
                 rel = float((o.float() - ref).norm() / ref.norm())
                 fns[name] = fn
-                rows.setdefault(case.name, {})[name] = {"rel_vs_first": rel, "ms_runs": [], "regs": kern.resources()["registers"], "local": kern.resources()["local_bytes"], "grid": p.grid, "segments": p.segments, "fused": p.fused_merge}
+                rows.setdefault(case.name, {})[name] = {
+                    "rel_vs_first": rel,
+                    "ms_runs": [],
+                    "regs": kern.resources()["registers"],
+                    "local": kern.resources()["local_bytes"],
+                    "grid": p.grid,
+                    "segments": p.segments,
+                    "fused": p.fused_merge,
+                }
             except Exception as e:  # noqa: BLE001
                 rows.setdefault(case.name, {})[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
         for _ in range(a.repeat):  # the variants interleaved, so that drift in the machine hits them alike
@@ -135,7 +157,14 @@ def main():
             r["tflops"] = flops / r["ms"] / 1e9
         print(case.name)
         for name, r in rows[case.name].items():
-            print(f"   {name:14s} " + (f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s rel {r['rel_vs_first']:.1e} regs {r['regs']} local {r['local']} B grid {r['grid']} segments {r['segments']} runs {'/'.join(f'{x:.4f}' for x in r['ms_runs'])}" if "ms" in r else r["error"]))
+            print(
+                f"   {name:14s} "
+                + (
+                    f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s rel {r['rel_vs_first']:.1e} regs {r['regs']} local {r['local']} B grid {r['grid']} segments {r['segments']} runs {'/'.join(f'{x:.4f}' for x in r['ms_runs'])}"
+                    if "ms" in r
+                    else r["error"]
+                )
+            )
         sys.stdout.flush()
     out = Path(os.environ.get("OUT", "."))
     (out / "variants.json").write_text(json.dumps(rows, indent=1))

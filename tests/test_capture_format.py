@@ -42,7 +42,10 @@ def test_round_trip_is_bit_exact(tmp_path, tiny):
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype != torch.bool else a[k], b[k].view(torch.uint8) if b[k].dtype != torch.bool else b[k]), k
+        assert torch.equal(
+            a[k].view(torch.uint8) if a[k].dtype != torch.bool else a[k],
+            b[k].view(torch.uint8) if b[k].dtype != torch.bool else b[k],
+        ), k
     # saving what was loaded reproduces the file byte for byte
     save(back, tmp_path / "b.safetensors")
     assert sha(tmp_path / "a.safetensors") == sha(tmp_path / "b.safetensors")
@@ -62,7 +65,9 @@ def test_loading_is_lazy_and_fast(tmp_path):
     t0 = time.perf_counter()
     back = load(p)
     took = time.perf_counter() - t0
-    assert took < 10.0, f"opening a {p.stat().st_size / 1e6:.0f} MB capture took {took:.2f} s"  # a generous bound: laziness is asserted next
+    assert took < 10.0, (
+        f"opening a {p.stat().st_size / 1e6:.0f} MB capture took {took:.2f} s"
+    )  # a generous bound: laziness is asserted next
     assert "layers.0.o" not in back._tensors._cache  # outputs are read only when asked for
     assert torch.equal(back.layer(0).o.view(torch.int16), cap.layer(0).o.view(torch.int16))
 
@@ -97,7 +102,6 @@ def test_save_is_atomic(tmp_path, tiny, monkeypatch):
 
 
 # ----- bad captures ------------------------------------------------------------------------------
-
 
 
 def _break(tiny, what):

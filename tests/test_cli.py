@@ -78,14 +78,31 @@ def test_info_summarises(tmp_path):
 
 def test_synth_writes_a_valid_capture_and_refuses_to_overwrite(tmp_path):
     out = tmp_path / "c.safetensors"
-    r = kdtree("synth", "-o", out, "--preset", "deepseek-v3-tp8", "--batch", "2", "--prefix", "0,33", "--budget", "5", "--layers", "1,4")
+    r = kdtree(
+        "synth", "-o", out, "--preset", "deepseek-v3-tp8", "--batch", "2", "--prefix", "0,33", "--budget", "5", "--layers", "1,4"
+    )
     assert r.returncode == 0, r.stderr
     cap = load(out)
     assert cap.meta.num_heads == 16 and cap.meta.layer_ids == [1, 4] and cap.prefix_lens.tolist() == [0, 33]
     before = sha(out)
     r = kdtree("synth", "-o", out, "--seed", "9")
     assert r.returncode == 2 and "--force" in r.stderr and sha(out) == before
-    r = kdtree("synth", "-o", out, "--preset", "deepseek-v3-tp8", "--batch", "2", "--prefix", "0,33", "--budget", "5", "--layers", "1,4", "--force")
+    r = kdtree(
+        "synth",
+        "-o",
+        out,
+        "--preset",
+        "deepseek-v3-tp8",
+        "--batch",
+        "2",
+        "--prefix",
+        "0,33",
+        "--budget",
+        "5",
+        "--layers",
+        "1,4",
+        "--force",
+    )
     assert r.returncode == 0 and sha(out) == before  # same parameters, same bytes
 
 

@@ -12,7 +12,11 @@ from kdtree.marshal import marshal
 
 from conftest import SHIPPED, small
 
-CONFIGS = {"sm_90a": KernelConfig.for_arch("sm_90"), "sm_90a-no-few": KernelConfig.candidates("sm_90")[1], "mma32": KernelConfig()}
+CONFIGS = {
+    "sm_90a": KernelConfig.for_arch("sm_90"),
+    "sm_90a-no-few": KernelConfig.candidates("sm_90")[1],
+    "mma32": KernelConfig(),
+}
 
 
 def check_same(args, heads, cfg, grid):

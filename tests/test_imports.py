@@ -18,8 +18,12 @@ def module_name(path: Path) -> str:
 def imports_of(path: Path, modules: set[str]) -> set[str]:
     """The package's modules that `path` imports anywhere (a package import counts as its __init__)."""
     tree = ast.parse(path.read_text())
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for n in ast.walk(node)}
+    skip = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
     here = module_name(path)
     found = set()
     for node in ast.walk(tree):
@@ -58,7 +62,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         state[m] = "open"
         for n in sorted(graph.get(m, ())):
             if state.get(n) == "open":
-                found.append(stack[stack.index(n):] + [n])
+                found.append(stack[stack.index(n) :] + [n])
             elif n not in state:
                 visit(n, stack + [n])
         state[m] = "done"

@@ -8,9 +8,9 @@ import pytest
 
 from kdtree.kernel import (
     ARCH_LIMITS,
+    SOURCE,
     KernelCompileError,
     KernelConfig,
-    SOURCE,
     compile_report,
     nvrtc_compile,
     parse_ptxas,
@@ -35,6 +35,7 @@ def test_kernel_fits_the_target_without_spills(arch):
 @pytest.mark.parametrize("arch", ["sm_120", "sm_90"])
 def test_a_wrong_shared_memory_size_fails_the_compile(arch):
     """The source checks the size the host launches with against its own (a static_assert on VMLA_SMEM_BYTES)."""
+
     class MiscountedConfig(KernelConfig):
         @property
         def smem_bytes(self) -> int:
@@ -93,8 +94,10 @@ def test_serialised_wgmma_is_a_failure():
         "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
         "ptxas info    : Used 200 registers, used 1 barriers\n"
     )
-    note = ("ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
-            "program dependence on compiler-inserted WG.AR in divergent path in the function 'verify_mla_fwd'\n")
+    note = (
+        "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "program dependence on compiler-inserted WG.AR in divergent path in the function 'verify_mla_fwd'\n"
+    )
     config = KernelConfig.for_arch("sm_90")
     fwd, merge = parse_ptxas(note + entry.format("verify_mla_fwd") + entry.format("verify_mla_merge"), "sm_90a", config)
     assert not fwd.ok and fwd.problems == ["wgmma serialised by ptxas (C7520)"] and "C7520" in fwd.line()
@@ -127,7 +130,9 @@ def test_compile_errors_quote_the_offending_line(kernel_copy):
     assert "| " in msg and "rt_request[rt] +;" in msg  # the source line, quoted under the error
 
 
-@pytest.mark.parametrize("stages,pipe", [(2, 0), (3, 0), (3, 1), (3, 2)], ids=["2-stages", "3-stages", "pipelined", "pipelined-p-smem"])
+@pytest.mark.parametrize(
+    "stages,pipe", [(2, 0), (3, 0), (3, 1), (3, 2)], ids=["2-stages", "3-stages", "pipelined", "pipelined-p-smem"]
+)
 def test_wgmma_variants_compile_and_fit(stages, pipe):
     """The Hopper segment's loop variants (the default is pipelined, 3 stages) compile for sm_90a without spills
     and within its shared memory; `smem_bytes` is what the launch asks for."""
@@ -136,8 +141,11 @@ def test_wgmma_variants_compile_and_fit(stages, pipe):
     assert fwd.ok and fwd.arch == "sm_90a", fwd.line()  # compiled: its shared memory is config.smem_bytes
 
 
-@pytest.mark.parametrize("extra", [(("VMLA_TRACE", 132),), tuple((f"VMLA_SKIP_{k}", 1) for k in ("QK", "PV", "SOFTMAX", "EXCHANGE", "LOAD"))],
-                         ids=["trace", "skips"])
+@pytest.mark.parametrize(
+    "extra",
+    [(("VMLA_TRACE", 132),), tuple((f"VMLA_SKIP_{k}", 1) for k in ("QK", "PV", "SOFTMAX", "EXCHANGE", "LOAD"))],
+    ids=["trace", "skips"],
+)
 def test_wgmma_experiment_builds_compile(extra):
     """The timing builds scripts/trace_case.py and scripts/variants.py ask for (block timelines, parts of each
     tile left out) still compile for sm_90a, without spills."""

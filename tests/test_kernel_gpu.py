@@ -13,10 +13,10 @@ import torch
 
 from kdtree.capture import load
 from kdtree.diff import compare
-from kdtree.outputs import poisoned
 from kdtree.fuzz import fuzz_spec
 from kdtree.impls import run_impl
 from kdtree.marshal import FAULTS, marshal
+from kdtree.outputs import poisoned
 from kdtree.reference import emulate_triton, oracle
 from kdtree.synth import SynthSpec, synthesize
 
@@ -225,7 +225,10 @@ def test_restructured_loops_give_the_same_bits(target):
             pytest.skip(f"the wgmma segment needs Hopper (sm_90), this GPU is {device_arch()}")
         others = [dataclasses.replace(base, stages=2, wg_pipe=0), dataclasses.replace(base, wg_pipe=2)]
     else:
-        others = [dataclasses.replace(base, extra=(("VMLA_FAST_MASK", 0),)), dataclasses.replace(base, extra=(("VMLA_PV_GROUP", 4),))]
+        others = [
+            dataclasses.replace(base, extra=(("VMLA_FAST_MASK", 0),)),
+            dataclasses.replace(base, extra=(("VMLA_PV_GROUP", 4),)),
+        ]
         if (base.bn // base.khalves // 8) % 4 == 0:
             others.append(dataclasses.replace(base, kpasses=2))
     kernels = [VerifyKernel.get(c) for c in [base, *others]]
@@ -300,16 +303,33 @@ def test_logit_cap_is_supported(kern):
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
-@pytest.mark.parametrize("capture,target,pdl", [("mixed", None, "0"), ("mixed", None, "1"), ("ddtree64-bs3", "sm_120", "0")],
-                         ids=["mixed", "mixed-pdl", "fused-merge"])
+@pytest.mark.parametrize(
+    "capture,target,pdl",
+    [("mixed", None, "0"), ("mixed", None, "1"), ("ddtree64-bs3", "sm_120", "0")],
+    ids=["mixed", "mixed-pdl", "fused-merge"],
+)
 def test_compute_sanitizer_is_clean(tool, capture, target, pdl):
     """On a small batch, the merge after a plain launch and as a programmatic dependent; the third takes the
     fused merge (sm_120's configuration splits that batch so)."""
     small = next(p for p in SHIPPED if capture in p.name)
     env = os.environ | {"KDTREE_PDL": pdl} | ({"KDTREE_KERNEL_TARGET": target} if target else {})
     r = subprocess.run(
-        ["compute-sanitizer", f"--tool={tool}", "--error-exitcode=99", sys.executable, "-m", "kdtree", "diff", str(small), "--impl", "cuda"],
-        capture_output=True, text=True, timeout=600, env=env,
+        [
+            "compute-sanitizer",
+            f"--tool={tool}",
+            "--error-exitcode=99",
+            sys.executable,
+            "-m",
+            "kdtree",
+            "diff",
+            str(small),
+            "--impl",
+            "cuda",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]

@@ -11,7 +11,6 @@ from kdtree.synth import synthesize
 
 from conftest import SHIPPED
 
-
 CASES = [load(p) for p in SHIPPED[:3]] + [synthesize(fuzz_spec(s), reference=False) for s in (1, 2, 5, 11)]
 
 
@@ -47,7 +46,7 @@ def test_every_work_unit_is_done_once_and_shares_are_balanced(cap, config, num_s
         assert cost.max() <= ideal + 2, (cost.max(), ideal)
     seen = {}
     slots = []
-    for c, rt, k0, k1, slot in steps:
+    for _block, rt, k0, k1, slot in steps:
         seen.setdefault(rt, []).append((k0, k1))
         if slot is not None:
             slots.append(slot)
@@ -124,7 +123,11 @@ def test_the_plan_picks_the_cheaper_configuration_per_batch():
             out[case.name] = ("wgmma" if c.wgmma else "mma") + str(c.bm) + ("-few" if c.few_rows else "")
         return out
 
-    assert [(c.wgmma, c.bm, c.few_rows) for c in KernelConfig.candidates("sm_90")] == [(True, 64, 16), (True, 64, 0), (False, 32, 0)]
+    assert [(c.wgmma, c.bm, c.few_rows) for c in KernelConfig.candidates("sm_90")] == [
+        (True, 64, 16),
+        (True, 64, 0),
+        (False, 32, 0),
+    ]
     assert KernelConfig.candidates("sm_120") == (KernelConfig(),)
     hopper = chosen("sm_90")
     # 32k x4: 132 row tiles (4 x 32 full + 4 few) fill the grid one a block; cheaper few-row tiles would split them
@@ -132,7 +135,9 @@ def test_the_plan_picks_the_cheaper_configuration_per_batch():
     assert set(hopper.values()) == {"wgmma64-few"}, hopper
     blackwell_dc = chosen("sm_100")
     assert blackwell_dc["kimi-tp8 small tree"] == blackwell_dc["kimi-tp8 ddtree64 4k"] == "mma32", blackwell_dc
-    assert all(v == "mma64" for k, v in blackwell_dc.items() if any(s in k for s in ("8k x8", "32k", "128k", "kimi-dp"))), blackwell_dc
+    assert all(v == "mma64" for k, v in blackwell_dc.items() if any(s in k for s in ("8k x8", "32k", "128k", "kimi-dp"))), (
+        blackwell_dc
+    )
 
 
 def test_balanced_split_moves_units_to_blocks_with_fewer_segments():
@@ -179,7 +184,7 @@ def test_few_row_tiles_are_planned_cheaper_where_the_kernel_runs_them():
     cta = p.arrays["cta_unit_start"].numpy()
     few_units = np.repeat(rows == 8, key_units)
     shares = np.diff(cta)
-    all_few = np.array([few_units[cta[c]:cta[c + 1]].all() for c in range(p.grid)])
+    all_few = np.array([few_units[cta[c] : cta[c + 1]].all() for c in range(p.grid)])
     assert all_few.any() and shares[all_few].mean() > 1.5 * shares[~all_few].mean()
 
 
@@ -188,7 +193,10 @@ def test_bench_case_selection():
     from kdtree.bench import CASES, PROBE_CASES, select_cases
 
     assert [c.name for c in select_cases(["small tree"])] == ["kimi-tp8 small tree"]
-    assert [c.name for c in select_cases(["small tree", "small tree N8"], probes=True)] == ["kimi-tp8 small tree", "small tree N8"]
+    assert [c.name for c in select_cases(["small tree", "small tree N8"], probes=True)] == [
+        "kimi-tp8 small tree",
+        "small tree N8",
+    ]
     assert select_cases(["small tree N8"]) == [] and select_cases(["8k"]) == [c for c in CASES if "8k" in c.name]
     assert {c.num_draft * 8 for c in PROBE_CASES} == {16, 64, 72, 128}  # rows a request at H 8
 

@@ -10,7 +10,7 @@ from conftest import ROOT
 
 
 def test_bench_figure_from_a_measured_result():
-    result = json.loads((ROOT / "docs/bench/v5-h200.json").read_text())
+    result = json.loads((ROOT / "docs/bench/v13-h200.json").read_text())
     fig = bench_figure(result)
     assert isinstance(fig, Figure)
     ax, ax2 = fig.axes

@@ -51,7 +51,7 @@ def test_million_slot_pool_renders_fast():
     assert time.perf_counter() - t0 < 10.0 and size < 3e6  # generous: the figure is drawn from a downsampled image
     img, per_cell = plots.pool_map_image(codes)
     # draft slots win their cells: every draft slot's cell shows a draft code
-    for b, d in enumerate(draft):
+    for d in draft:
         cells = np.unique(np.asarray(d) // per_cell)
         assert np.all(img.reshape(-1)[cells] % 2 == 1) and np.all(img.reshape(-1)[cells] >= 3)
     assert codes[0] == plots.PADDING and per_cell > 1

@@ -28,23 +28,38 @@ def path():
 def sglang_buffers(cap, pad: int = 64, device="cuda"):
     """The capture's metadata as SGLang's Triton backend holds it under CUDA graphs: int64 indices, a uint8
     mask and index buffers longer than the batch."""
+
     def padded(t, dtype, extra):
         return torch.cat([t.to(dtype), torch.zeros(extra, dtype=dtype)]).to(device)
 
     extra = 3 if pad else 0
     return dict(
-        qo_indptr=padded(cap.qo_indptr, torch.int64, extra), kv_indptr=padded(cap.kv_indptr, torch.int32, extra),
-        kv_indices=padded(cap.kv_indices, torch.int64, pad), out_cache_loc=cap.out_cache_loc.to(device, torch.int64),
-        custom_mask=padded(cap.custom_mask, torch.uint8, pad), mask_indptr=padded(cap.mask_indptr, torch.int64, extra),
+        qo_indptr=padded(cap.qo_indptr, torch.int64, extra),
+        kv_indptr=padded(cap.kv_indptr, torch.int32, extra),
+        kv_indices=padded(cap.kv_indices, torch.int64, pad),
+        out_cache_loc=cap.out_cache_loc.to(device, torch.int64),
+        custom_mask=padded(cap.custom_mask, torch.uint8, pad),
+        mask_indptr=padded(cap.mask_indptr, torch.int64, extra),
     )
 
 
 def run_step(path, cap, layer_id, bufs, o=None):
-    step = path.prepare(**bufs, batch_size=cap.batch_size, num_draft=int(cap.num_draft[0]), num_heads=cap.meta.num_heads,
-                        kv_capacity=int(cap.kv_indptr[-1]) + cap.num_tokens + 5)
+    step = path.prepare(
+        **bufs,
+        batch_size=cap.batch_size,
+        num_draft=int(cap.num_draft[0]),
+        num_heads=cap.meta.num_heads,
+        kv_capacity=int(cap.kv_indptr[-1]) + cap.num_tokens + 5,
+    )
     o = o if o is not None else poisoned((cap.num_tokens, cap.meta.num_heads, 512), "cuda")
-    path.launch(step, cap.layer(layer_id).q.cuda(), cap.pool(layer_id, "cuda"), o, sm_scale=cap.meta.sm_scale,
-                logit_cap=cap.meta.logit_cap)
+    path.launch(
+        step,
+        cap.layer(layer_id).q.cuda(),
+        cap.pool(layer_id, "cuda"),
+        o,
+        sm_scale=cap.meta.sm_scale,
+        logit_cap=cap.meta.logit_cap,
+    )
     return step, o
 
 
@@ -64,17 +79,21 @@ def test_marshal_kernel_and_device_plan_serve_every_capture(path, p):
 
 def test_a_graph_captured_once_replays_new_lengths_bit_equal_to_eager(path):
     bs, budget, H = 4, 16, 8
-    caps = [small(batch_size=bs, budget=budget, prefix_lens=p, seed=s) for s, p in
-            enumerate([[1, 1, 1, 1], [0, 37, 900, 5], [2048, 1, 64, 300], [10, 1500, 0, 2], [700, 700, 33, 4000]])]
+    caps = [
+        small(batch_size=bs, budget=budget, prefix_lens=p, seed=s)
+        for s, p in enumerate([[1, 1, 1, 1], [0, 37, 900, 5], [2048, 1, 64, 300], [10, 1500, 0, 2], [700, 700, 33, 4000]])
+    ]
     rows = max(c.meta.pool_size + 1 for c in caps)
     cap_kv = max(int(c.kv_indptr[-1]) for c in caps) + bs * (budget + 1)
     cap_mask = max(c.custom_mask.numel() for c in caps)
-    static = dict(qo_indptr=torch.zeros(bs + 1, dtype=torch.int64, device="cuda"),
-                  kv_indptr=torch.zeros(bs + 1, dtype=torch.int32, device="cuda"),
-                  kv_indices=torch.zeros(cap_kv, dtype=torch.int64, device="cuda"),
-                  out_cache_loc=torch.zeros(bs * (budget + 1), dtype=torch.int64, device="cuda"),
-                  custom_mask=torch.zeros(cap_mask, dtype=torch.uint8, device="cuda"),
-                  mask_indptr=torch.zeros(bs + 1, dtype=torch.int64, device="cuda"))
+    static = dict(
+        qo_indptr=torch.zeros(bs + 1, dtype=torch.int64, device="cuda"),
+        kv_indptr=torch.zeros(bs + 1, dtype=torch.int32, device="cuda"),
+        kv_indices=torch.zeros(cap_kv, dtype=torch.int64, device="cuda"),
+        out_cache_loc=torch.zeros(bs * (budget + 1), dtype=torch.int64, device="cuda"),
+        custom_mask=torch.zeros(cap_mask, dtype=torch.uint8, device="cuda"),
+        mask_indptr=torch.zeros(bs + 1, dtype=torch.int64, device="cuda"),
+    )
     q = torch.zeros(bs * (budget + 1), H, 576, dtype=torch.bfloat16, device="cuda")
     pool = torch.zeros(rows, 1, 576, dtype=torch.bfloat16, device="cuda")
     o = torch.zeros(bs * (budget + 1), H, 512, dtype=torch.bfloat16, device="cuda")

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from kdtree.capture import load
-from kdtree.device_marshal import marshal_tensors
 from kdtree.marshal import marshal
 from kdtree.sglang.capture_hook import CaptureWriter, capture_tensors
 from kdtree.sglang.settings import Settings, SettingsError
@@ -56,10 +55,17 @@ def test_device_marshal_gives_the_same_bits_as_marshal(path):
     assert_same_args(batch_of(cap, pad=1000, mask_dtype=torch.uint8).marshal(cap.meta.sm_scale, 0.0), want)
 
 
-@pytest.mark.parametrize("seed,kind,n,prefixes", [
-    (1, "ddtree", 33, [0, 1, 37, 200]), (2, "random", 65, [5]), (3, "star", 31, [0, 0]),
-    (4, "eagle", 16, [64, 1, 300]), (5, "chain", 1, [3, 9]), (6, "chain", 32, [0, 129]),
-])
+@pytest.mark.parametrize(
+    "seed,kind,n,prefixes",
+    [
+        (1, "ddtree", 33, [0, 1, 37, 200]),
+        (2, "random", 65, [5]),
+        (3, "star", 31, [0, 0]),
+        (4, "eagle", 16, [64, 1, 300]),
+        (5, "chain", 1, [3, 9]),
+        (6, "chain", 32, [0, 129]),
+    ],
+)
 def test_device_marshal_on_fresh_batches(seed, kind, n, prefixes):
     cap = small(seed=seed, tree=kind, num_draft_tokens=n, batch_size=len(prefixes), prefix_lens=prefixes, budget=None)
     assert_same_args(batch_of(cap).marshal(1.0, 0.0), marshal(cap))
@@ -81,13 +87,24 @@ def test_faulty_metadata_is_not_what_marshal_builds():
 def test_settings_from_the_environment():
     s = Settings.from_env({})
     assert (s.mode, s.layers, s.ranks, s.every, s.capture_max_files, s.capture_max_bytes) == ("serve", None, {0}, 1, 16, 2**30)
-    s = Settings.from_env({"KDTREE_MODE": "Shadow", "KDTREE_LAYERS": "0,30-32", "KDTREE_RANKS": "all",
-                           "KDTREE_EVERY": "10", "KDTREE_CAPTURE_MAX_BYTES": "64M"})
+    s = Settings.from_env(
+        {
+            "KDTREE_MODE": "Shadow",
+            "KDTREE_LAYERS": "0,30-32",
+            "KDTREE_RANKS": "all",
+            "KDTREE_EVERY": "10",
+            "KDTREE_CAPTURE_MAX_BYTES": "64M",
+        }
+    )
     assert s.mode == "shadow" and s.layers == {0, 30, 31, 32} and s.ranks is None and s.capture_max_bytes == 64 * 2**20
     assert s.watches(20, 31, 5) and not s.watches(25, 31, 5) and not s.watches(20, 29, 5)
-    for env, name in [({"KDTREE_MODE": "fast"}, "KDTREE_MODE"), ({"KDTREE_LAYERS": "3-1"}, "KDTREE_LAYERS"),
-                      ({"KDTREE_EVERY": "0"}, "KDTREE_EVERY"), ({"KDTREE_CAPTURE_MAX_BYTES": "lots"}, "KDTREE_CAPTURE_MAX_BYTES"),
-                      ({"KDTREE_RANKS": "x"}, "KDTREE_RANKS")]:
+    for env, name in [
+        ({"KDTREE_MODE": "fast"}, "KDTREE_MODE"),
+        ({"KDTREE_LAYERS": "3-1"}, "KDTREE_LAYERS"),
+        ({"KDTREE_EVERY": "0"}, "KDTREE_EVERY"),
+        ({"KDTREE_CAPTURE_MAX_BYTES": "lots"}, "KDTREE_CAPTURE_MAX_BYTES"),
+        ({"KDTREE_RANKS": "x"}, "KDTREE_RANKS"),
+    ]:
         with pytest.raises(SettingsError, match=name):
             Settings.from_env(env)
 

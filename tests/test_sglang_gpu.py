@@ -133,12 +133,22 @@ def test_capture_into_an_unwritable_place_logs_once_and_serving_goes_on(monkeypa
 
 @pytest.mark.parametrize("backend", ["triton", "kdtree"])
 @pytest.mark.parametrize("topk,num_draft", [(1, 4), (2, 3)], ids=["chain", "tree"])
-@pytest.mark.parametrize("layout", [
-    "contiguous",
-    pytest.param("shuffled_pages", marks=pytest.mark.xfail(strict=True, reason=(
-        "the kit's MLA prepare_inputs rewrites the prefix KV through the contiguous slot layout, while the "
-        "graph fixture's req_to_token uses its shuffled pages: the eager leg reads other tokens' keys"))),
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "contiguous",
+        pytest.param(
+            "shuffled_pages",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason=(
+                    "the kit's MLA prepare_inputs rewrites the prefix KV through the contiguous slot layout, while the "
+                    "graph fixture's req_to_token uses its shuffled pages: the eager leg reads other tokens' keys"
+                ),
+            ),
+        ),
+    ],
+)
 def test_kit_cuda_graph_verify_runner(backend, topk, num_draft, layout):
     """The kit's CUDA-graph verify runner (capture metadata at prefix 1, replay with the case's prefixes and
     small-real padding to the capture batch of 4) at 512/64/bf16, with the fixture's slot layout chosen."""
@@ -149,16 +159,34 @@ def test_kit_cuda_graph_verify_runner(backend, topk, num_draft, layout):
 
     before = KdtreeAttnBackend.kdtree_calls
     case = kit.verify_case(f"mla_graph_{backend}_{topk}", backend, (5, 17, 40), num_draft, 8)
-    dims = dict(kv_lora_rank=512, qk_rope_head_dim=64, hidden_size=mla.DEFAULT_HIDDEN_SIZE, max_context_len=64,
-                dtype=torch.bfloat16, device="cuda")
+    dims = dict(
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        hidden_size=mla.DEFAULT_HIDDEN_SIZE,
+        max_context_len=64,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     runner._run_spec_verify_cuda_graph_case(
-        kit.KitTestCase(), case, topk=topk, spec_kind="eagle",
+        kit.KitTestCase(),
+        case,
+        topk=topk,
+        spec_kind="eagle",
         build_fixture=functools.partial(mla.build_mla_attention_fixture, loc_layout=layout),
-        make_case_with_prefix_lens=mla.make_mla_case_with_prefix_lens, make_forward_batch=mla._make_forward_batch,
-        fixture_inputs=mla.mla_fixture_inputs, make_capture_inputs=mla.make_mla_random_inputs,
-        make_replay_inputs=mla.make_mla_padded_replay_inputs, prepare_inputs=mla.prepare_mla_runner_inputs,
-        run_forward=mla.run_mla_forward, reference_fn=mla.mla_attention_reference_with_custom_mask,
-        build_kwargs=dims, max_context_len=64, dtype=torch.bfloat16, device="cuda", capture_batch_size=4,
-        atol=mla.MLA_ATOL, rtol=mla.MLA_RTOL,
+        make_case_with_prefix_lens=mla.make_mla_case_with_prefix_lens,
+        make_forward_batch=mla._make_forward_batch,
+        fixture_inputs=mla.mla_fixture_inputs,
+        make_capture_inputs=mla.make_mla_random_inputs,
+        make_replay_inputs=mla.make_mla_padded_replay_inputs,
+        prepare_inputs=mla.prepare_mla_runner_inputs,
+        run_forward=mla.run_mla_forward,
+        reference_fn=mla.mla_attention_reference_with_custom_mask,
+        build_kwargs=dims,
+        max_context_len=64,
+        dtype=torch.bfloat16,
+        device="cuda",
+        capture_batch_size=4,
+        atol=mla.MLA_ATOL,
+        rtol=mla.MLA_RTOL,
     )
     assert (KdtreeAttnBackend.kdtree_calls > before) == (backend == "kdtree")

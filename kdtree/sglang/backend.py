@@ -49,13 +49,16 @@ class KdtreeAttnBackend(TritonAttnBackend):
         self.tp_rank = int(getattr(model_runner, "tp_rank", 0) or 0)
         self.tp_size = int(getattr(model_runner, "tp_size", 1) or 1)
         cfg = model_runner.model_config
-        self.model_name = str(getattr(cfg, "model_path", None) or getattr(getattr(cfg, "hf_config", None), "architectures", ["unknown"])[0])
+        self.model_name = str(
+            getattr(cfg, "model_path", None) or getattr(getattr(cfg, "hf_config", None), "architectures", ["unknown"])[0]
+        )
         self.capture = CaptureWriter(self.settings.capture_dir, self.settings.capture_max_files, self.settings.capture_max_bytes)
         self.verify_step = -1
         self._batch: VerifyBatch | None = None
         self._graph_kv_capacity: int | None = None
-        log.once("mode", f"attention backend kdtree, mode {self.settings.mode} (KDTREE_MODE), TP rank {self.tp_rank}",
-                 logging.INFO)
+        log.once(
+            "mode", f"attention backend kdtree, mode {self.settings.mode} (KDTREE_MODE), TP rank {self.tp_rank}", logging.INFO
+        )
 
     # ----- per step ---------------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
@@ -77,7 +80,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
         if forward_batch.forward_mode.is_target_verify():
             self.verify_step += 1
 
-    def _verify_batch(self, forward_batch) -> VerifyBatch:
+    def verify_batch(self, forward_batch) -> VerifyBatch:
         """This step's metadata from Triton's `forward_metadata` (no host sync: CUDA-graph safe)."""
         if self._batch is None:
             md = self.forward_metadata
@@ -88,9 +91,16 @@ class KdtreeAttnBackend(TritonAttnBackend):
             else:
                 capacity = int(forward_batch.seq_lens_sum) + bs * n
             self._batch = VerifyBatch(
-                step=self.verify_step, qo_indptr=md.qo_indptr, kv_indptr=md.kv_indptr, kv_indices=md.kv_indices,
-                out_cache_loc=forward_batch.out_cache_loc, custom_mask=md.custom_mask, mask_indptr=md.mask_indptr,
-                batch_size=bs, num_draft=n, kv_capacity=capacity,
+                step=self.verify_step,
+                qo_indptr=md.qo_indptr,
+                kv_indptr=md.kv_indptr,
+                kv_indices=md.kv_indices,
+                out_cache_loc=forward_batch.out_cache_loc,
+                custom_mask=md.custom_mask,
+                mask_indptr=md.mask_indptr,
+                batch_size=bs,
+                num_draft=n,
+                kv_capacity=capacity,
             )
         return self._batch
 
@@ -156,8 +166,14 @@ class KdtreeAttnBackend(TritonAttnBackend):
         H = layer.tp_q_head_num
         q3 = q.view(-1, H, HEAD_DIM)
         o = out if out is not None else q.new_empty(q3.shape[0], H, V_HEAD_DIM)
-        self.runner.run(self._verify_batch(forward_batch), q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                        o.view(-1, H, V_HEAD_DIM), sm_scale=layer.scaling, logit_cap=float(layer.logit_cap or 0.0))
+        self.runner.run(
+            self.verify_batch(forward_batch),
+            q3,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            o.view(-1, H, V_HEAD_DIM),
+            sm_scale=layer.scaling,
+            logit_cap=float(layer.logit_cap or 0.0),
+        )
         KdtreeAttnBackend.kdtree_calls += 1
         return o
 
@@ -173,7 +189,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
     def _shadow(self, q, o, layer, forward_batch) -> None:
         H = layer.tp_q_head_num
         mine = self._kdtree(q, layer, forward_batch)
-        batch = self._verify_batch(forward_batch)
+        batch = self.verify_batch(forward_batch)
         qo = batch.qo_indptr[: batch.batch_size + 1].cpu()
         d = shadow_diff(mine, o.view(-1, H, V_HEAD_DIM), qo, layer=layer.layer_id, step=batch.step)
         print(d.line(self.settings.tolerance), flush=True)
@@ -181,7 +197,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
     def _capture(self, q, o, layer, forward_batch) -> None:
         if not self.capture.enabled:
             return
-        batch = self._verify_batch(forward_batch)
+        batch = self.verify_batch(forward_batch)
         H = layer.tp_q_head_num
         pool = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         spec = forward_batch.spec_info

@@ -40,8 +40,10 @@ class ServingCase:
     scaling: float
 
 
-CASES = [ServingCase(c.name, get_preset(c.preset).num_heads, c.prefix_lens, c.num_draft, get_preset(c.preset).sm_scale)
-         for c in KERNEL_CASES] + [ServingCase("kimi-tp8 64 x N1 4k", 8, (4096,) * 64, 1, KIMI_SCALING)]
+CASES = [
+    ServingCase(c.name, get_preset(c.preset).num_heads, c.prefix_lens, c.num_draft, get_preset(c.preset).sm_scale)
+    for c in KERNEL_CASES
+] + [ServingCase("kimi-tp8 64 x N1 4k", 8, (4096,) * 64, 1, KIMI_SCALING)]
 
 
 def _host_us(fn, reps: int = 200) -> float:
@@ -81,15 +83,17 @@ def run_case(case: ServingCase, do_bench) -> dict:
     bs, n, H = len(case.prefix_lens), case.num_draft, case.num_heads
     vcase = kit.verify_case(case.name.replace(" ", "_"), "kdtree", case.prefix_lens, n, H)
     ctx = max(case.prefix_lens) + n + 8
-    fixture = build_mla_attention_fixture(kit.KitTestCase(), vcase, max_context_len=ctx, disable_cuda_graph=False,
-                                          runner_batch_size=bs, **kit.MLA_DIMS)
+    fixture = build_mla_attention_fixture(
+        kit.KitTestCase(), vcase, max_context_len=ctx, disable_cuda_graph=False, runner_batch_size=bs, **kit.MLA_DIMS
+    )
     backend, fb, layer = fixture.backend, fixture.forward_batch, fixture.actual_module.attn_mqa
     layer.scaling = case.scaling
     _prepare_target_verify_batch(fb, vcase, "cuda")
     spec = _make_spec_verify_input(vcase, fb, topk=1, device="cuda", spec_kind="eagle")
     rng = np.random.default_rng(0)
-    _, spec.custom_mask = kit.masks_for([make_tree("ddtree", n, rng) if n > 1 else np.array([-1]) for _ in range(bs)],
-                                        case.prefix_lens)
+    _, spec.custom_mask = kit.masks_for(
+        [make_tree("ddtree", n, rng) if n > 1 else np.array([-1]) for _ in range(bs)], case.prefix_lens
+    )
     fb.spec_info = spec
     pool = backend.token_to_kv_pool.get_key_buffer(0)
     pool.copy_(torch.randn_like(pool, dtype=torch.float32).to(pool.dtype))
@@ -102,10 +106,19 @@ def run_case(case: ServingCase, do_bench) -> dict:
         backend.init_forward_metadata(fb)
         o_k, o_t = kdtree_call().clone(), triton_call().clone()
         out["rel_vs_triton"] = float((o_k.double() - o_t.double()).norm() / o_t.double().norm())
-        batch = backend._verify_batch(fb)
+        batch = backend.verify_batch(fb)
         prep = lambda: backend.runner.path.prepare(  # noqa: E731
-            batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.out_cache_loc, batch.custom_mask,
-            batch.mask_indptr, batch_size=bs, num_draft=n, num_heads=H, kv_capacity=batch.kv_capacity)
+            batch.qo_indptr,
+            batch.kv_indptr,
+            batch.kv_indices,
+            batch.out_cache_loc,
+            batch.custom_mask,
+            batch.mask_indptr,
+            batch_size=bs,
+            num_draft=n,
+            num_heads=H,
+            kv_capacity=batch.kv_capacity,
+        )
         meta = lambda: TritonAttnBackend.init_forward_metadata(backend, fb)  # noqa: E731
         out["layer_ms"] = {"kdtree": do_bench(kdtree_call), "triton": do_bench(triton_call)}
         out["step_metadata_ms"] = {"triton": do_bench(meta), "kdtree_marshal_plan": do_bench(prep)}
@@ -129,9 +142,8 @@ def run_case(case: ServingCase, do_bench) -> dict:
 
 
 def run(cases=CASES, log=print) -> dict:
-    import triton.testing
-
     import sglang
+    import triton.testing
 
     def do_bench(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -145,19 +157,26 @@ def run(cases=CASES, log=print) -> dict:
         results.append(r)
         log(format_row(r))
         torch.cuda.empty_cache()
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-            "sglang": getattr(sglang, "__version__", "?"), "cases": results}
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "sglang": getattr(sglang, "__version__", "?"),
+        "cases": results,
+    }
 
 
 def format_row(r: dict) -> str:
     if "error" in r:
         return f"{r['name']:28s} ERROR {r['error'][:120]}"
     lm, h, m = r["layer_ms"], r["host_us"], r["step_metadata_ms"]
-    return (f"{r['name']:28s} layer kdtree {lm['kdtree']:.4f} / triton {lm['triton']:.4f} ms (x{r['speedup']['eager']:.1f}) "
-            f"| graph {lm['kdtree_graph']:.4f} / {lm['triton_graph']:.4f} ms (x{r['speedup']['graph']:.1f}), "
-            f"+marshal+plan {lm['kdtree_graph_with_marshal_plan']:.4f} | marshal+plan {m['kdtree_marshal_plan']:.4f} ms GPU, "
-            f"{h['kdtree_marshal_plan']:.0f} us host eager | out_graph host {h['out_graph_kdtree']:.0f} / "
-            f"{h['out_graph_triton']:.0f} us | rel {r['rel_vs_triton']:.2e}")
+    return (
+        f"{r['name']:28s} layer kdtree {lm['kdtree']:.4f} / triton {lm['triton']:.4f} ms (x{r['speedup']['eager']:.1f}) "
+        f"| graph {lm['kdtree_graph']:.4f} / {lm['triton_graph']:.4f} ms (x{r['speedup']['graph']:.1f}), "
+        f"+marshal+plan {lm['kdtree_graph_with_marshal_plan']:.4f} | marshal+plan {m['kdtree_marshal_plan']:.4f} ms GPU, "
+        f"{h['kdtree_marshal_plan']:.0f} us host eager | out_graph host {h['out_graph_kdtree']:.0f} / "
+        f"{h['out_graph_triton']:.0f} us | rel {r['rel_vs_triton']:.2e}"
+    )
 
 
 def save(result: dict, path) -> None:

@@ -80,8 +80,11 @@ class CaptureWriter:
             return None
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         if self.bytes + size > self.max_bytes:
-            self._stop("bytes", f"the next file ({size:,} B) would take {self.directory} past KDTREE_CAPTURE_MAX_BYTES "
-                                f"({self.bytes:,} of {self.max_bytes:,} B written)")
+            self._stop(
+                "bytes",
+                f"the next file ({size:,} B) would take {self.directory} past KDTREE_CAPTURE_MAX_BYTES "
+                f"({self.bytes:,} of {self.max_bytes:,} B written)",
+            )
             return None
         path = self.directory / name
         try:

@@ -46,8 +46,15 @@ class KitTestCase(unittest.TestCase):
 
 
 def verify_case(name: str, backend: str, prefix_lens, num_draft: int, num_heads: int, page_size: int = 1) -> MLAAttentionCase:
-    return MLAAttentionCase(name=name, backend=backend, forward_mode=ForwardMode.TARGET_VERIFY, num_heads=num_heads,
-                            page_size=page_size, prefix_lens=tuple(prefix_lens), extend_lens=(num_draft,) * len(prefix_lens))
+    return MLAAttentionCase(
+        name=name,
+        backend=backend,
+        forward_mode=ForwardMode.TARGET_VERIFY,
+        num_heads=num_heads,
+        page_size=page_size,
+        prefix_lens=tuple(prefix_lens),
+        extend_lens=(num_draft,) * len(prefix_lens),
+    )
 
 
 def masks_for(parents_by_req, prefix_lens, device="cuda") -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -69,8 +76,15 @@ class KitRun:
     attn: dict  # attention outputs [T, H * 512] of the layer's forward_extend: "backend", and "triton" if asked
 
 
-def run_verify(case: MLAAttentionCase, parents_by_req, *, scaling: float | None = None, with_triton: bool = False,
-               max_context_len: int | None = None, steps: int = 1) -> KitRun:
+def run_verify(
+    case: MLAAttentionCase,
+    parents_by_req,
+    *,
+    scaling: float | None = None,
+    with_triton: bool = False,
+    max_context_len: int | None = None,
+    steps: int = 1,
+) -> KitRun:
     """One target-verify forward of the kit's MLA module with `case.backend`, over the given trees.
 
     `scaling` overrides the layer's softmax scale (the kit's is 576**-0.5; Kimi K2's is 0.130861); `with_triton`
@@ -89,7 +103,8 @@ def run_verify(case: MLAAttentionCase, parents_by_req, *, scaling: float | None 
     batch.spec_info = spec
     inputs = mla_fixture_inputs(fixture)
     expected = mla_attention_reference_with_custom_mask(
-        fixture.reference_module, case, inputs["prefix_hidden"], inputs["input_hidden"], masks)
+        fixture.reference_module, case, inputs["prefix_hidden"], inputs["input_hidden"], masks
+    )
     backend, attn = fixture.backend, {}
     own = backend.forward_extend
 

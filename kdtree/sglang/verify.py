@@ -42,10 +42,18 @@ class VerifyBatch:
         """The kernel's arguments in torch ops (`kdtree.device_marshal`; the CPU twin of the marshal kernel)."""
         prefix = self.prefix_lens()
         return marshal_tensors(
-            self.qo_indptr[: self.batch_size + 1], self.kv_indptr[: self.batch_size + 1], self.kv_indices,
-            self.out_cache_loc, self.custom_mask, self.mask_indptr[: self.batch_size + 1],
-            num_tokens=self.num_tokens, prefix_total=sum(prefix), max_prefix_len=max(prefix, default=0),
-            max_num_draft=self.num_draft, sm_scale=sm_scale, logit_cap=logit_cap,
+            self.qo_indptr[: self.batch_size + 1],
+            self.kv_indptr[: self.batch_size + 1],
+            self.kv_indices,
+            self.out_cache_loc,
+            self.custom_mask,
+            self.mask_indptr[: self.batch_size + 1],
+            num_tokens=self.num_tokens,
+            prefix_total=sum(prefix),
+            max_prefix_len=max(prefix, default=0),
+            max_num_draft=self.num_draft,
+            sm_scale=sm_scale,
+            logit_cap=logit_cap,
         )
 
 
@@ -69,17 +77,26 @@ class VerifyRunner:
     def new_step(self) -> None:
         self._prepared = self._key = None
 
-    def run(self, batch: VerifyBatch, q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, *,
-            sm_scale: float, logit_cap: float) -> torch.Tensor:
+    def run(
+        self, batch: VerifyBatch, q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, *, sm_scale: float, logit_cap: float
+    ) -> torch.Tensor:
         """o [T, H, 512] <- attention of q [T, H, 576] over the pool kv_buffer [slots, 1, 576] for this step."""
         from kdtree.kernel import check_inputs
 
         key = (batch.step, q.shape[1])
         if self._key != key:
             self._prepared = self.path.prepare(
-                batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.out_cache_loc, batch.custom_mask,
-                batch.mask_indptr, batch_size=batch.batch_size, num_draft=batch.num_draft, num_heads=q.shape[1],
-                kv_capacity=batch.kv_capacity)
+                batch.qo_indptr,
+                batch.kv_indptr,
+                batch.kv_indices,
+                batch.out_cache_loc,
+                batch.custom_mask,
+                batch.mask_indptr,
+                batch_size=batch.batch_size,
+                num_draft=batch.num_draft,
+                num_heads=q.shape[1],
+                kv_capacity=batch.kv_capacity,
+            )
             self._key = key
         check_inputs(self._prepared.args, q, kv_buffer)
         return self.path.launch(self._prepared, q.contiguous(), kv_buffer, o, sm_scale=sm_scale, logit_cap=logit_cap)

@@ -1,0 +1,201 @@
+"""The verify kernel's sources and configurations: where the .cu files are, their hash (the JIT recompiles when
+any of them changes), each target's limits, the tile configuration (`KernelConfig`, mirroring
+kernels/verify_mla_config.cuh) and the compile options. docs/kernel-design.md, "Per-target configuration"."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+SOURCE = KERNEL_DIR / "verify_mla.cu"
+FWD, MERGE = "verify_mla_fwd", "verify_mla_merge"
+
+# Per-block shared memory a kernel may opt into, and registers per SM, by target.
+ARCH_LIMITS = {
+    "sm_80": {"smem_per_block": 166_912, "regs_per_sm": 65_536},
+    "sm_86": {"smem_per_block": 101_376, "regs_per_sm": 65_536},
+    "sm_89": {"smem_per_block": 101_376, "regs_per_sm": 65_536},
+    "sm_90": {"smem_per_block": 232_448, "regs_per_sm": 65_536},
+    "sm_90a": {"smem_per_block": 232_448, "regs_per_sm": 65_536},  # sm_90 with wgmma (the Hopper path)
+    "sm_100": {"smem_per_block": 232_448, "regs_per_sm": 65_536},
+    "sm_120": {"smem_per_block": 101_376, "regs_per_sm": 65_536},
+}
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected the source; the message quotes the offending lines."""
+
+
+# ----- source and configuration ------------------------------------------------------------------
+def source_files(path: Path = SOURCE) -> list[Path]:
+    """The .cu and every local header it includes (recursively), in inclusion order."""
+    seen: list[Path] = []
+
+    def visit(p: Path) -> None:
+        if p in seen:
+            return
+        seen.append(p)
+        for m in re.finditer(r'^\s*#\s*include\s*"([^"]+)"', p.read_text(), re.M):
+            inc = (p.parent / m.group(1)).resolve()
+            if inc.exists():
+                visit(inc)
+
+    visit(path.resolve())
+    return seen
+
+
+def source_hash(path: Path = SOURCE) -> str:
+    h = hashlib.sha256()
+    for p in source_files(path):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+FUSED_MERGE_SEGS = 4  # split row tiles of at most this many partials are merged in verify_mla_fwd (VMLA_FUSED_MERGE_SEGS)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile configuration (mirrors kernels/verify_mla_config.cuh). `for_arch` picks one per target."""
+
+    bm: int = 32  # query rows (node, head) per block
+    bn: int = 32  # keys per pipeline stage
+    stages: int = 2
+    warps: int = 8
+    dslices: int = 4  # QK: dims split across warps ...
+    rgroups: int = 1  # ... rows split ...
+    khalves: int = 2  # ... keys split
+    q_smem: bool = False  # Q fragments in registers (False) or read from shared memory every tile (True)
+    kpasses: int = 1  # QK of a warp's keys in this many passes (fewer live score registers)
+    blocks_per_sm: int = 1  # resident blocks per SM: the persistent grid is this many per SM
+    wgmma: bool = False  # the Hopper segment (warpgroup MMAs from swizzled shared memory; sm_90a, BM 64)
+    wg_pipe: int = 0  # wgmma segment: 1 = QK of tile t and P V of tile t-1 in flight together (3 stages),
+    # 2 = the same with P through shared memory
+    few_rows: int = 0  # wgmma segment: row tiles of at most this many rows (<= 16) run the mma.sync few-row
+    # segment, at FEW_UNIT_COST of a unit (0: every tile is a 64-row wgmma tile)
+    extra: tuple[tuple[str, int], ...] = ()  # more -D switches (timing experiments)
+
+    @classmethod
+    def for_arch(cls, arch: str) -> "KernelConfig":
+        """sm_120-class parts (101,376 B of shared memory per block): 32 rows per block with Q in registers.
+        Hopper (sm_90, compiled as sm_90a): the warpgroup-MMA segment, 64 rows (25 % faster than mma.sync at
+        64 rows on the H200's long cases). Other parts with ~227 KB (sm_100): 64 rows per block with Q in
+        shared memory, which halves the pool bytes each block pulls from L2 per FLOP (v2 measured the
+        32-row kernel L2-bound on an H200)."""
+        if arch in ("sm_90", "sm_90a"):
+            return cls(bm=64, rgroups=2, khalves=1, q_smem=True, wgmma=True, stages=3, wg_pipe=1, few_rows=16)
+        if ARCH_LIMITS.get(arch, {}).get("smem_per_block", 0) >= 200_000:
+            return cls(bm=64, rgroups=2, khalves=1, q_smem=True)
+        return cls()
+
+    @classmethod
+    def candidates(cls, arch: str) -> tuple["KernelConfig", ...]:
+        """The configurations `choose_plan` picks from on this target, the default first: parts with ~227 KB
+        also have the 32-row kernel, which wins on small batches of short trees (fewer padding rows); on Hopper
+        the wgmma segment also without few-row tiles (a batch whose row tiles fill the grid one a block, such as
+        32k x4, would otherwise be split everywhere to balance the cheaper tiles).
+        "sm_90a" names the wgmma segment alone (KDTREE_KERNEL_TARGET=sm_90a: tests and experiments)."""
+        first = cls.for_arch(arch)
+        if first == cls() or arch == "sm_90a":
+            return (first,)
+        if first.few_rows:
+            return (first, dataclasses.replace(first, few_rows=0), cls())
+        return (first, cls())
+
+    def defines(self) -> dict[str, int]:
+        return dict(self.extra) | {
+            "VMLA_BM": self.bm,
+            "VMLA_BN": self.bn,
+            "VMLA_STAGES": self.stages,
+            "VMLA_WARPS": self.warps,
+            "VMLA_DSLICES": self.dslices,
+            "VMLA_RGROUPS": self.rgroups,
+            "VMLA_KHALVES": self.khalves,
+            "VMLA_Q_SMEM": int(self.q_smem),
+            "VMLA_KPASSES": self.kpasses,
+            "VMLA_BLOCKS_PER_SM": self.blocks_per_sm,
+            "VMLA_WGMMA": int(self.wgmma),
+            "VMLA_WG_PIPE": self.wg_pipe,
+            "VMLA_FEW_ROWS": self.few_rows,
+            "VMLA_FUSED_MERGE_SEGS": FUSED_MERGE_SEGS,  # the plan's bound, so the two cannot disagree
+            "VMLA_SMEM_BYTES": self.smem_bytes,  # checked against the kernel's own size by a static_assert
+        }
+
+    @property
+    def few_row_limit(self) -> int:
+        """Row tiles of at most this many rows run the few-row segment (only the wgmma body has one)."""
+        return self.few_rows if self.wgmma else 0
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of verify_mla_fwd: sizeof(Smem) in the .cu."""
+        if self.wgmma:  # verify_mla_wgmma.cuh: Q and the stages as unpadded swizzled rows, two P tiles, two
+            # partial-score buffers, the slot-id ring, a flag; + 1024 B to align the atoms
+            return (
+                64 * 576 * 2
+                + self.stages * self.bn * 576 * 2
+                + 2 * 64 * self.bn * 2
+                + 2 * 64 * (self.bn + 8) * 4
+                + 2 * self.stages * self.bn * 4
+                + 16
+                + 1024
+            )
+        row = (576 + 8) * 2  # a pool row or Q row, padded by 16 B
+        q = self.bm * row if self.q_smem else 0
+        kv = self.stages * self.bn * row
+        idx = 2 * self.stages * self.bn * 4  # ring of slot ids fetched ahead of the rows
+        s = self.dslices * self.bm * (self.bn + 8) * 4  # fp32 partial scores
+        p = self.bm * (self.bn + 8) * 2  # bf16 probabilities
+        stats = 2 * self.bm * 4 + 16  # alpha, l per row; a flag
+        return q + kv + idx + s + p + stats
+
+
+def device_arch() -> str:
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def target_arch() -> str:
+    """The present GPU's target, or the one named by $KDTREE_KERNEL_TARGET (e.g. sm_120: run the RTX PRO
+    6000's configuration on an H200, which has room for it)."""
+    return os.environ.get("KDTREE_KERNEL_TARGET") or device_arch()
+
+
+def configs_for(config: KernelConfig | tuple[KernelConfig, ...] | None) -> tuple[KernelConfig, ...]:
+    """One configuration, several, or (None) the candidates of the target `target_arch()` names."""
+    if isinstance(config, KernelConfig):
+        return (config,)
+    return tuple(config or KernelConfig.candidates(target_arch()))
+
+
+def compile_options(config: KernelConfig, extra: tuple[str, ...] = (), source: Path = SOURCE) -> tuple[str, ...]:
+    opts = ["-std=c++17", f"-I{source.parent}", f"-DKDTREE_SOURCE_HASH=0x{source_hash(source)}"]
+    opts += [f"-D{k}={v}" for k, v in config.defines().items()]
+    return tuple(opts) + tuple(extra)
+
+
+def format_compile_error(log: str, source: Path = SOURCE) -> str:
+    """NVRTC log with the offending source line quoted under each error."""
+    out = []
+    files = {p.name: p.read_text().splitlines() for p in source_files(source)}
+    for line in log.splitlines():
+        out.append(line)
+        m = re.match(r"^(.*?)\((\d+)\): (error|warning)", line)
+        if m:
+            name, no = Path(m.group(1)).name, int(m.group(2))
+            text = files.get(name) or files.get(source.name)
+            if text and 0 < no <= len(text):
+                out.append(f"    {no:5d} | {text[no - 1]}")
+    return "\n".join(out)

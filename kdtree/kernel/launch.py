@@ -1,0 +1,290 @@
+"""The kernel on the present GPU: CuPy JIT (and, for Hopper's wgmma body, an sm_90a cubin), and the launch on
+torch's current stream, the merge as a programmatic dependent where the GPU has it (docs/kernel-design.md,
+"Merge"). `launch()` is CUDA-graph safe: everything on the device beforehand, no allocation, no host sync."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kdtree.kernel.config import (
+    FWD,
+    MERGE,
+    SOURCE,
+    KernelCompileError,
+    KernelConfig,
+    compile_options,
+    configs_for,
+    device_arch,
+    format_compile_error,
+    source_hash,
+)
+from kdtree.kernel.nvrtc import _nvrtc_include_dirs
+from kdtree.kernel.planner import FWD_ARRAYS, LaunchPlan, Workspace, choose_plan
+from kdtree.marshal import VerifyArgs
+
+
+# ----- programmatic dependent launch ---------------------------------------------------------------
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("value_pad", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+_CTYPES = {np.uint64: ctypes.c_uint64, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}
+_PDL_CONFIGS: dict[tuple, tuple] = {}
+
+
+@functools.cache
+def _cu_launch_kernel_ex():
+    """The driver's cuLaunchKernelEx (CUDA 12) through ctypes, or None."""
+    try:
+        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    f.restype = ctypes.c_int
+    return f
+
+
+def pdl_available() -> bool:
+    """verify_mla_merge launched as a programmatic dependent of verify_mla_fwd: needs a Hopper-or-newer GPU, a
+    driver with cuLaunchKernelEx and KDTREE_PDL not 0. Otherwise a plain launch."""
+    if os.environ.get("KDTREE_PDL", "1") == "0" or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    return _cu_launch_kernel_ex() is not None
+
+
+def launch_dependent(fn, grid: int, block: int, args: tuple, stream: int) -> None:
+    """Launch CuPy function `fn` (np.uint64 pointers, np.int32, np.float32 arguments) on `stream` with
+    programmatic stream serialisation (the driver's cuLaunchKernelEx through ctypes: cuda.bindings' driver-table
+    probe makes failing cuGetProcAddress calls that compute-sanitizer reports): it may start before the
+    previous kernel ends and waits for it in `griddepcontrol.wait`. The launch configuration is built once per
+    (function, grid, block, stream)."""
+    key = (id(fn), grid, block, stream)
+    if key not in _PDL_CONFIGS:
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        cfg = _LaunchConfig((ctypes.c_uint * 3)(grid, 1, 1), (ctypes.c_uint * 3)(block, 1, 1), 0, stream, ctypes.pointer(attr), 1)
+        _PDL_CONFIGS[key] = (cfg, attr, getattr(fn, "kernel", fn).ptr, fn)
+    cfg, _, func, _ = _PDL_CONFIGS[key]
+    values = [_CTYPES[type(a)](a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    err = _cu_launch_kernel_ex()(ctypes.byref(cfg), func, params, None)
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernelEx({getattr(fn, 'name', fn)}) failed: CUresult {err}")
+
+
+# ----- CuPy JIT ----------------------------------------------------------------------------------
+# verify_mla_merge's threads a row (64: two float4 of the row a thread, one wave of the H200 for the small tree's
+# 2,176 rows; 128: one float4, 2.5 % slower there on the H200; docs/kernel-design.md, "Merge")
+MERGE_THREADS = 64
+
+
+class VerifyKernel:
+    """verify_mla.cu compiled for the present GPU. `run()` is the convenient path; `launch()` the
+    graph-safe one (all tensors on the device, workspace preallocated). With several configurations
+    (the target's candidates by default), `plan()` picks one per batch and `launch()` runs the plan's."""
+
+    _cache: dict[tuple, "VerifyKernel"] = {}
+
+    def __init__(self, config: KernelConfig | tuple[KernelConfig, ...] | None = None):
+        import cupy
+
+        self.cupy = cupy
+        self.configs = configs_for(config)
+        self.config = self.configs[0]
+        self._fns: dict[KernelConfig, tuple] = {}
+        self.module, self.fwd, self.merge = self.compiled(self.config)
+        self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        self._streams: dict[int, object] = {}
+        self.pdl = pdl_available()
+        self.merge_threads = MERGE_THREADS
+
+    def compiled(self, config: KernelConfig) -> tuple:
+        """(module, fwd, merge) for `config`, compiled on first use."""
+        if config not in self._fns:
+            try:
+                if config.wgmma:
+                    module = self._cubin_module(config)
+                else:
+                    module = self.cupy.RawModule(code=SOURCE.read_text(), options=compile_options(config))
+                fwd, merge = module.get_function(FWD), module.get_function(MERGE)
+            except self.cupy.cuda.compiler.CompileException as e:
+                raise KernelCompileError(f"{SOURCE.name} does not compile:\n" + format_compile_error(str(e))) from None
+            fwd.max_dynamic_shared_size_bytes = config.smem_bytes
+            self._fns[config] = (module, fwd, merge)
+        return self._fns[config]
+
+    def _cubin_module(self, config: KernelConfig):
+        """The module for a configuration CuPy cannot build (it passes the GPU's own -arch, and wgmma needs
+        sm_90a): NVRTC through CuPy's bindings, then the cubin loaded as a RawModule.
+
+        Why not `kdtree.kernel.nvrtc.nvrtc_compile` (cuda-bindings), which the reports use: CuPy's NVRTC is the
+        one every machine that runs the kernel has (it ships with CuPy, and is the compiler of the mma.sync
+        builds), while cuda-bindings is an extra; one compiler for every build the GPU runs keeps them alike."""
+        import tempfile
+
+        from cupy_backends.cuda.libs import nvrtc as cnvrtc
+
+        arch = "sm_90a"
+        if device_arch() != "sm_90":
+            raise KernelCompileError(f"the wgmma configuration runs on sm_90 (Hopper) only, not on {device_arch()}")
+        includes = list(_nvrtc_include_dirs())
+        cuda_path = self.cupy.cuda.get_cuda_path()
+        if cuda_path and Path(cuda_path, "include", "cuda_bf16.h").exists():
+            includes.append(str(Path(cuda_path, "include")))
+        opts = [f"-arch={arch}", *compile_options(config), *(f"-I{d}" for d in includes)]
+        prog = cnvrtc.createProgram(SOURCE.read_text(), SOURCE.name, (), ())
+        try:
+            try:
+                cnvrtc.compileProgram(prog, opts)
+            except cnvrtc.NVRTCError:
+                raise KernelCompileError(
+                    f"{SOURCE.name} does not compile for {arch}:\n" + format_compile_error(cnvrtc.getProgramLog(prog))
+                ) from None
+            cubin = cnvrtc.getCUBIN(prog)
+        finally:
+            cnvrtc.destroyProgram(prog)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "verify_mla.cubin")
+            path.write_bytes(cubin)
+            module = self.cupy.RawModule(path=str(path))
+            module.get_function(FWD)  # loaded now, while the file exists
+        return module
+
+    @classmethod
+    def get(cls, config: KernelConfig | tuple[KernelConfig, ...] | None = None) -> "VerifyKernel":
+        """The compiled kernel, recompiled when kernels/*.cu or a header it includes changed."""
+        configs = configs_for(config)
+        key = (source_hash(), configs, torch.cuda.current_device())
+        if key not in cls._cache:
+            cls._cache[key] = cls(configs)
+        return cls._cache[key]
+
+    def plan(self, args: VerifyArgs, num_heads: int) -> LaunchPlan:
+        """The launch plan for this batch on this GPU, with the cheapest of this kernel's configurations (host
+        side, before any capture; compiles that configuration if it has not been yet)."""
+        p = choose_plan(args, num_heads, self.num_sms, self.configs)
+        self.compiled(p.config)
+        return p
+
+    def resources(self) -> dict:
+        a = self.fwd.attributes
+        return {"registers": a["num_regs"], "local_bytes": a["local_size_bytes"], "dynamic_smem": self.config.smem_bytes}
+
+    def cupy_stream(self, ts: torch.cuda.Stream):
+        """CuPy's view of a torch stream (cached: made once per stream)."""
+        key = ts.cuda_stream
+        if key not in self._streams:
+            cp = self.cupy
+            from_external = getattr(cp.cuda.Stream, "from_external", None)
+            try:
+                self._streams[key] = from_external(ts) if from_external else cp.cuda.ExternalStream(key)
+            except TypeError:  # a torch without the CUDA stream protocol
+                self._streams[key] = cp.cuda.ExternalStream(key)
+        return self._streams[key]
+
+    def _ptr(self, t: torch.Tensor | None):
+        return np.uint64(0 if t is None else t.data_ptr())
+
+    def launch(
+        self,
+        p: LaunchPlan,
+        args: VerifyArgs,
+        q: torch.Tensor,
+        kv_buffer: torch.Tensor,
+        o: torch.Tensor,
+        lse: torch.Tensor | None,
+        ws: Workspace,
+    ) -> None:
+        """Enqueue the kernel(s) on torch's current stream. Everything (args, plan arrays, workspace) must
+        already be on the GPU: no allocation, no copy, no sync - graph-capturable."""
+        i32, f32 = np.int32, np.float32
+        pa = p.arrays
+        _, fwd, merge = self._fns[p.config]
+        with self.cupy_stream(torch.cuda.current_stream()):
+            fwd(
+                (p.grid, 1, 1),
+                (p.config.threads, 1, 1),
+                (
+                    self._ptr(q),
+                    self._ptr(kv_buffer),
+                    self._ptr(args.qo_indptr),
+                    self._ptr(args.combined_kv_indptr),
+                    self._ptr(args.combined_kv_indices),
+                    self._ptr(args.prefix_lens),
+                    self._ptr(args.tree_mask),
+                    i32(p.mask_words),
+                    i32(p.num_heads),
+                    f32(args.sm_scale),
+                    f32(args.logit_cap),
+                    self._ptr(o),
+                    self._ptr(lse),
+                    *(self._ptr(pa[name]) for name in FWD_ARRAYS),
+                    self._ptr(ws.part_o),
+                    self._ptr(ws.part_lse),
+                    self._ptr(ws.rt_counter if p.fused_merge else None),
+                ),
+                shared_mem=p.config.smem_bytes,
+            )
+            if p.split and not p.fused_merge:
+                merge_args = (
+                    self._ptr(pa["row_merge"]),
+                    self._ptr(ws.part_o),
+                    self._ptr(ws.part_lse),
+                    self._ptr(o),
+                    self._ptr(lse),
+                )
+                if self.pdl:  # its blocks start during the forward kernel's last wave (no launch gap)
+                    launch_dependent(merge, p.total_rows, self.merge_threads, merge_args, torch.cuda.current_stream().cuda_stream)
+                else:
+                    merge((p.total_rows, 1, 1), (self.merge_threads, 1, 1), merge_args)
+
+    def run(
+        self,
+        args: VerifyArgs,
+        q: torch.Tensor,
+        kv_buffer: torch.Tensor,
+        o: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        *,
+        with_lse: bool = True,
+    ):
+        """Plan, allocate and launch. q [T, H, 576] bf16, kv_buffer [slots, 1, 576] bf16 on the GPU."""
+        check_inputs(args, q, kv_buffer)
+        T, H, _ = q.shape
+        p = self.plan(args, H).to(q.device)
+        o = o if o is not None else torch.empty(T, H, 512, dtype=torch.bfloat16, device=q.device)
+        if with_lse and lse is None:
+            lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+        ws = Workspace.for_plan(p, q.device)
+        dev = args.to(q.device)
+        self.launch(p, dev, q.contiguous(), kv_buffer.contiguous(), o, lse, ws)
+        return o, lse
+
+
+def check_inputs(args: VerifyArgs, q: torch.Tensor, kv_buffer: torch.Tensor) -> None:
+    """Refuse what the kernel does not handle, with a clear message."""
+    if q.dtype != torch.bfloat16 or kv_buffer.dtype != torch.bfloat16:
+        raise ValueError(f"q and kv_buffer must be bf16, got {q.dtype} and {kv_buffer.dtype}")
+    if q.dim() != 3 or q.shape[-1] != 576:
+        raise ValueError(f"q must be [T, H, 576], got {list(q.shape)}")
+    if kv_buffer.shape[-1] != 576 or kv_buffer.numel() // 576 != kv_buffer.shape[0]:
+        raise ValueError(f"kv_buffer must be [slots, 1, 576], got {list(kv_buffer.shape)}")
+    if not q.is_cuda or not kv_buffer.is_cuda:
+        raise ValueError("q and kv_buffer must be CUDA tensors")

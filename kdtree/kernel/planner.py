@@ -1,0 +1,221 @@
+"""The stream-K launch plan on the host: row tiles x key tiles shared by a persistent grid (`plan`,
+`balanced_split`), the cost model that picks a configuration per batch (`choose_plan`), and the workspace a
+plan's split tiles need. docs/kernel-design.md, "Stream-K plan" and "Cost model"."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kdtree.kernel.config import FUSED_MERGE_SEGS, KernelConfig
+from kdtree.marshal import VerifyArgs
+
+FWD_ARRAYS = ("cta_unit_start", "cta_first_rt", "rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base")
+# (+ verify_mla_merge's per-row (first partial line, partials), [T * H, 2])
+PLAN_ARRAYS = FWD_ARRAYS + ("row_merge",)
+
+
+@dataclass
+class LaunchPlan:
+    """A stream-K split of one batch: the (row tile, key tile) work units shared by `grid` blocks (`balanced_split`).
+
+    The arrays are int32; `to(device)` moves them once, before any launch or graph capture. For CUDA-graph
+    replay with other lengths, plan again and copy the new arrays into the captured ones (same sizes when
+    planned from the same upper bounds).
+    """
+
+    batch_size: int
+    num_heads: int
+    total_rows: int  # T * H
+    mask_words: int
+    grid: int  # persistent blocks
+    units: int  # (row tile, key tile) work units
+    work: float  # the units weighted by their row tile's cost (few-row tiles are cheaper)
+    segments: int  # partial slots (row tiles split across blocks, one slot per block touching them)
+    fused_merge: bool  # the last block of each split tile merges it (no verify_mla_merge launch)
+    config: KernelConfig
+    arrays: dict[str, torch.Tensor] = field(repr=False)
+
+    @property
+    def split(self) -> bool:
+        return self.segments > 0
+
+    @property
+    def row_tiles(self) -> int:
+        return len(self.arrays["rt_request"])
+
+    def to(self, device) -> "LaunchPlan":
+        return dataclasses.replace(self, arrays={k: v.to(device) for k, v in self.arrays.items()})
+
+    def walk(self) -> list[tuple[int, int, int, int, int | None]]:
+        """verify_mla_fwd's loop replayed on the host: (block, row tile, first key tile, end key tile, partial
+        slot or None) for every segment, block by block (tests and scripts/trace_case.py)."""
+        a = {k: v.cpu().numpy() for k, v in self.arrays.items()}
+        out = []
+        for c in range(self.grid):
+            u, u_end, rt = a["cta_unit_start"][c], a["cta_unit_start"][c + 1], a["cta_first_rt"][c]
+            while u < u_end:
+                t0, t1 = a["rt_unit_start"][rt], a["rt_unit_start"][rt + 1]
+                seg_end = min(u_end, t1)
+                segs = a["rt_seg_base"][rt + 1] - a["rt_seg_base"][rt]
+                slot = int(a["rt_seg_base"][rt] + (c - a["rt_first_cta"][rt])) if segs > 1 else None
+                out.append((c, int(rt), int(u - t0), int(seg_end - t0), slot))
+                u, rt = seg_end, rt + 1
+        return out
+
+
+# What a block pays for each segment it works on beyond its tiles, in units (docs/kernel-design.md, "Stream-K
+# plan"): an H200 trace of the wgmma segment (scripts/trace_case.py) put 6.4 us of a segment in its prologue, first
+# tile's wait and store, against 1.9-2.0 us a tile (3.3 units); timed side by side, 4 to 6 did best.
+SEGMENT_OVERHEAD_UNITS = 5.0
+# A unit of a few-row tile (at most KernelConfig.few_rows rows: the mma.sync segment of the wgmma body) in units
+# of a 64-row wgmma unit (docs/kernel-design.md, "The few-row segment"): timed on the H200 at weights 0.3-0.7, 0.6
+# did best or near it on every case with few-row tiles.
+FEW_UNIT_COST = 0.6
+
+
+def balanced_split(rt_unit_start: np.ndarray, grid: int, segment_units: float, rt_weight: np.ndarray | None = None) -> np.ndarray:
+    """Block boundaries [grid + 1] over the units that even out each block's work + segment_units per row tile
+    it starts or continues (0: equal unit counts). A unit of row tile rt is rt_weight[rt] of work (default 1;
+    few-row tiles are cheaper). Every block keeps at least one unit.
+
+    The cost of units [a, b) is W(b) - W(a) + segment_units, with W(u) = the work of the units before u +
+    segment_units * (row tile of u): equal steps of W give equal costs, and a boundary that falls in the jump
+    between two row tiles lands on the second one's start (no split)."""
+    units = int(rt_unit_start[-1])
+    if segment_units <= 0:
+        return np.arange(grid + 1) * units // grid
+    starts = rt_unit_start[:-1].astype(np.float64)
+    weight = np.ones(len(starts)) if rt_weight is None else np.asarray(rt_weight, dtype=np.float64)
+    work = np.diff(rt_unit_start) * weight
+    w_start = np.concatenate([[0.0], np.cumsum(work)[:-1]]) + segment_units * np.arange(
+        len(starts)
+    )  # W at each row tile's first unit
+    w_end = work.sum() + segment_units * (len(starts) - 1)
+    w = np.arange(1, grid) * (w_end / grid)
+    rt = np.searchsorted(w_start, w, side="right") - 1
+    inner = np.minimum(rt_unit_start[rt + 1], starts[rt] + np.rint((w - w_start[rt]) / weight[rt])).astype(np.int64)
+    bounds = np.concatenate([[0], inner, [units]])
+    idx = np.arange(grid + 1)
+    bounds = np.maximum.accumulate(np.maximum(bounds, 0) - idx) + idx  # strictly increasing ...
+    return np.minimum(bounds, units - grid + idx)  # ... and every block keeps a unit (grid <= units)
+
+
+def plan(
+    args: VerifyArgs,
+    num_heads: int,
+    num_sms: int,
+    config: KernelConfig,
+    *,
+    fused_merge: bool | None = None,
+    segment_units: float | None = None,
+    few_unit_cost: float = FEW_UNIT_COST,
+) -> LaunchPlan:
+    """Cut the batch into row tiles x key tiles and share the units among the persistent blocks
+    (`config.blocks_per_sm` per SM) so that each block's units plus `segment_units` (default
+    SEGMENT_OVERHEAD_UNITS) per segment come out even (`balanced_split`; a request's last row tile costs about as
+    much per unit as a full one, measured: weighting it lighter was slower - except a tile of at most
+    `config.few_rows` rows, which the few-row segment runs at `few_unit_cost` of a unit).
+    `fused_merge` (default: when no tile is split into more than FUSED_MERGE_SEGS partials, on the mma.sync
+    paths) lets the kernel merge split tiles itself instead of launching verify_mla_merge."""
+    n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
+    kv = (args.combined_kv_indptr[1:] - args.combined_kv_indptr[:-1]).numpy().astype(np.int64)
+    row_tiles = -(-n * num_heads // config.bm)
+    key_tiles = np.maximum(1, -(-kv // config.bn))  # a request with no keys still owns a unit: it writes o = 0
+    rt_request = np.repeat(np.arange(len(n)), row_tiles)
+    rt_row0 = np.concatenate([np.arange(r) * config.bm for r in row_tiles])
+    rt_unit_start = np.concatenate([[0], np.cumsum(key_tiles[rt_request])])
+    units = int(rt_unit_start[-1])
+    grid = max(1, min(num_sms * config.blocks_per_sm, units))
+    tile_rows = np.minimum(config.bm, n[rt_request] * num_heads - rt_row0)
+    rt_weight = np.where(tile_rows <= config.few_row_limit, few_unit_cost, 1.0)
+    cta_unit_start = balanced_split(
+        rt_unit_start, grid, SEGMENT_OVERHEAD_UNITS if segment_units is None else segment_units, rt_weight
+    )
+    cta_first_rt = np.searchsorted(rt_unit_start, cta_unit_start[:-1], side="right") - 1
+    rt_first_cta = np.searchsorted(cta_unit_start, rt_unit_start[:-1], side="right") - 1
+    rt_last_cta = np.searchsorted(cta_unit_start, rt_unit_start[1:] - 1, side="right") - 1
+    segs = rt_last_cta - rt_first_cta + 1
+    rt_seg_base = np.concatenate([[0], np.cumsum(np.where(segs > 1, segs, 0))])
+    if fused_merge is None:  # not for the wgmma body: its merge kernel was faster (docs/kernel-design.md, "Merge")
+        fused_merge = bool(segs.max() <= FUSED_MERGE_SEGS) and not config.wgmma
+    elif fused_merge and segs.max() > FUSED_MERGE_SEGS:
+        raise ValueError(
+            f"fused merge takes tiles of at most {FUSED_MERGE_SEGS} partials; this plan splits one into {segs.max()}"
+        )
+    # global rows (token * H + head) run row tile by row tile: each row's tile and its row in that tile
+    total_rows = int(tile_rows.sum())
+    row_rt = np.repeat(np.arange(len(rt_request)), tile_rows)
+    tr = np.arange(total_rows) - np.repeat(np.cumsum(tile_rows) - tile_rows, tile_rows)
+    row_segs = np.where(segs > 1, segs, 0)[row_rt]
+    row_merge = np.stack([np.where(row_segs > 0, rt_seg_base[row_rt] * config.bm + tr, 0), row_segs], axis=1)
+    arrays = {
+        "cta_unit_start": cta_unit_start,
+        "cta_first_rt": cta_first_rt,
+        "rt_unit_start": rt_unit_start,
+        "rt_request": rt_request,
+        "rt_row0": rt_row0,
+        "rt_first_cta": rt_first_cta,
+        "rt_seg_base": rt_seg_base,
+        "row_merge": row_merge.reshape(-1),
+    }
+    return LaunchPlan(
+        batch_size=len(n),
+        num_heads=num_heads,
+        total_rows=total_rows,
+        mask_words=int(args.tree_mask.shape[1]),
+        grid=grid,
+        units=units,
+        work=float(key_tiles[rt_request] @ rt_weight),
+        segments=int(rt_seg_base[-1]),
+        fused_merge=fused_merge and bool(rt_seg_base[-1] > 0),
+        config=config,
+        arrays={k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int32)) for k, v in arrays.items()},
+    )
+
+
+# Relative time of one (row tile, key tile) unit, by kind of segment, and of a segment (prologue, pipeline fill,
+# partial store and merge; about proportional to BM), in units of a wgmma unit (docs/kernel-design.md, "Cost
+# model"): a least-squares fit of time = units * u + segments * s per configuration to the eight bench cases on
+# the H200: u(BM 32) / u(wgmma) = 0.86, s / u = 19.2 at BM 64 and 10.5 at BM 32 (0.30 and 0.33 a row); mma.sync at
+# BM 64 measured 1.30-1.34x the wgmma time on the long cases.
+UNIT_COST = {"wgmma64": 1.0, "mma64": 1.33, "mma32": 0.86}
+SEGMENT_COST_PER_ROW = 0.3
+
+
+def estimated_cost(p: LaunchPlan) -> float:
+    """A plan's time per block in wgmma units (for choosing between configurations, not a prediction in ms)."""
+    kind = f"{'wgmma' if p.config.wgmma else 'mma'}{p.config.bm}"
+    unit = UNIT_COST.get(kind, p.config.bm / 64 * UNIT_COST["mma64"])
+    return (p.work * unit + p.segments * SEGMENT_COST_PER_ROW * p.config.bm) / p.grid
+
+
+def choose_plan(args: VerifyArgs, num_heads: int, num_sms: int, configs: tuple[KernelConfig, ...]) -> LaunchPlan:
+    """Plan the batch with each configuration and keep the cheapest by `estimated_cost` (the first on ties)."""
+    plans = [plan(args, num_heads, num_sms, c) for c in configs]
+    return min(plans, key=estimated_cost)
+
+
+@dataclass
+class Workspace:
+    """Preallocated fp32 partials of the row tiles split across blocks, and the fused merge's per-tile counters
+    (zeros; the kernel leaves them zero)."""
+
+    part_o: torch.Tensor  # [segments, BM, 512]
+    part_lse: torch.Tensor  # [segments, BM]
+    rt_counter: torch.Tensor  # [row tiles] int32
+
+    @classmethod
+    def for_plan(cls, p: LaunchPlan, device="cuda", *, segments: int | None = None, row_tiles: int | None = None) -> "Workspace":
+        """Sized for `p`, or for `segments` slots and `row_tiles` tiles (upper bounds, for graphs replayed with
+        other lengths)."""
+        n = max(1, segments if segments is not None else p.segments)
+        bm = p.config.bm
+        return cls(
+            torch.empty(n, bm, 512, dtype=torch.float32, device=device),
+            torch.empty(n, bm, dtype=torch.float32, device=device),
+            torch.zeros(max(1, row_tiles if row_tiles is not None else p.row_tiles), dtype=torch.int32, device=device),
+        )
