@@ -70,7 +70,7 @@ struct Smem {
 template <int ROWS, class RowSrc>
 __device__ __forceinline__ void gather_rows(__nv_bfloat16 (*dst)[ROW_STRIDE], RowSrc row_src, const __nv_bfloat16* fallback) {
   constexpr int TPR = NUM_THREADS / ROWS;
-  if constexpr (VMLA_ROW_LOADS && NUM_THREADS % ROWS == 0 && CHUNKS_PER_ROW % TPR == 0) {
+  if constexpr (NUM_THREADS % ROWS == 0 && CHUNKS_PER_ROW % TPR == 0) {
     const int r = threadIdx.x / TPR, j = threadIdx.x % TPR;
     const __nv_bfloat16* src = row_src(r);
 #pragma unroll
@@ -231,7 +231,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   const int srow = tid / THREADS_PER_ROW, scol = (tid % THREADS_PER_ROW) * COLS_PER_THREAD;
   const bool srow_valid = row0 + srow < rows;
   // whole warps of padding rows skip the softmax step (their m16 tiles hold no scores and feed no output)
-  const bool swarp_valid = !VMLA_PAD_SKIP || (warp * 32) / THREADS_PER_ROW < valid_rows;
+  const bool swarp_valid = (warp * 32) / THREADS_PER_ROW < valid_rows;
   const int stoken = q0 + (srow_valid ? (row0 + srow) / num_heads : 0);
   RowState st;
 
@@ -241,7 +241,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   // ---- S partial = Q[:, slice] K[keys of this part, slice]^T for the tile in `stage`, to sm.s ----
   // (in VMLA_KPASSES passes over the part's keys: fewer score registers live at once, for 4-warp blocks)
   auto qk_tile = [&](int stage) {
-    if (VMLA_PAD_SKIP && qk_row0 >= valid_rows) return;  // this warp's rows are all padding (a request's last row tile)
+    if (qk_row0 >= valid_rows) return;  // this warp's rows are all padding (a request's last row tile)
 #pragma unroll
     for (int kp = 0; kp < VMLA_KPASSES; ++kp) {
       float s[QK_MT][PASS_NT][4];
@@ -306,7 +306,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     // P and alpha visible to all; and did any row move its max (then the accumulators need rescaling)?
     const bool moved = __syncthreads_or(alpha != 1.f);
     // ---- O = alpha * O + P V for this warp's output columns ----
-    if (moved || !VMLA_RESCALE_SKIP) rescale_acc(acc, sm.alpha, lane);
+    if (moved) rescale_acc(acc, sm.alpha, lane);
     pv_step(acc, &sm.p[0][0], &sm.kv[stage][0][0], warp * PV_COLS, valid_rows, lane);
   }
 

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include "verify_mla_config.cuh"
+#include "verify_mla_hooks.cuh"
 
 // NVRTC has no <stdint.h>
 using uint32_t = unsigned int;
@@ -34,29 +35,6 @@ __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool vali
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// VMLA_TRACE (timing experiments, scripts/trace_case.py): thread 0 of each block stamps %globaltimer (ns) into
-// vmla_trace[block][slot]: slot 0 the block's start, 31 its end, 1 + 5 s + e event e of its segment s (s < 6):
-// 0 start, 1 Q and slot ids landed, 2 first tile landed, 3 tile loop done, 4 outputs written.
-#ifndef VMLA_TRACE
-#define VMLA_TRACE 0
-#endif
-#define VMLA_MARK_START 100
-#define VMLA_MARK_END 101
-#if VMLA_TRACE
-extern "C" __device__ unsigned long long vmla_trace[VMLA_TRACE * 32];  // VMLA_TRACE = the grid size
-__device__ __forceinline__ void trace_mark(int slot) {
-  __shared__ int seg;  // the walk's segment count (thread 0's own: nobody else reads it)
-  if (threadIdx.x != 0) return;
-  if (slot < 0) { seg = slot == -1 ? 0 : seg + 1; return; }  // -1: first segment, -2: next segment
-  const int at = slot == VMLA_MARK_START ? 0 : slot == VMLA_MARK_END ? 31 : 1 + 5 * seg + slot;
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  if (at < 32) vmla_trace[blockIdx.x * 32 + at] = t;
-}
-#define VMLA_MARK(slot) trace_mark(slot)
-#else
-#define VMLA_MARK(slot) ((void)0)
-#endif
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -117,18 +95,6 @@ struct Args {
   __nv_bfloat16* __restrict__ o;                // [T * H, 512]
   float* __restrict__ lse;                      // [T * H] or null
 };
-
-// 2^x: exp2f, or with VMLA_FAST_EXP the bare ex2.approx.ftz (exp2f wraps it in a rescale for results below
-// 2^-126, 3 more instructions per score; such p are far below bf16 P's contribution to any output).
-__device__ __forceinline__ float exp2_(float x) {
-#if VMLA_FAST_EXP
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return exp2f(x);
-#endif
-}
 
 // Bit c is set where key key0 + c (c < COLS) is visible to the row: below k_end, and a prefix key, or a draft
 // key whose bit is set in the row's tree mask (rows past the request's last see every key below k_end). The
@@ -228,12 +194,12 @@ __device__ __forceinline__ float softmax_step(RowState& st, float (&x)[COLS], __
   const bool grow = tile_max > st.m + VMLA_RESCALE_TAU;  // st.m = -inf: any visible key grows it
   const float m_new = grow ? tile_max : st.m;
   const float m_use = m_new == VMLA_NEG_INF ? 0.f : m_new;
-  const float alpha = grow ? exp2_(st.m - m_use) : 1.f;
+  const float alpha = grow ? exp2f(st.m - m_use) : 1.f;
   float psum = 0.f;
   __nv_bfloat16 pb[COLS];
 #pragma unroll
   for (int c = 0; c < COLS; ++c) {
-    const float pv = exp2_(x[c] - m_use);
+    const float pv = exp2f(x[c] - m_use);
     psum += pv;
     pb[c] = __float2bfloat16_rn(pv);
   }
@@ -364,7 +330,7 @@ __device__ __forceinline__ void store_scores(float* s, const float (&x)[MTILES][
   for (int mi = 0; mi < MTILES; ++mi)
 #pragma unroll
     for (int ni = 0; ni < NTILES; ++ni) {
-      if (VMLA_PAD_SKIP && r0 + mi * 16 >= valid_rows) continue;  // padding m16 tile: nobody reads it
+      if (r0 + mi * 16 >= valid_rows) continue;  // padding m16 tile: nobody reads it
       float* row = s + (r0 + mi * 16 + g) * S_STRIDE + col0 + ni * 8 + tig * 2;
       *reinterpret_cast<float2*>(row) = make_float2(x[mi][ni][0], x[mi][ni][1]);
       *reinterpret_cast<float2*>(row + 8 * S_STRIDE) = make_float2(x[mi][ni][2], x[mi][ni][3]);

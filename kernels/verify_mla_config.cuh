@@ -33,7 +33,7 @@
 #define VMLA_WGMMA 0      // 1: the Hopper warpgroup-MMA segment (verify_mla_wgmma.cuh; sm_90a only, BM 64)
 #endif
 #ifndef VMLA_WG_PIPE
-#define VMLA_WG_PIPE 0    // wgmma body: QK of tile t and P V of tile t-1 in flight together (3 stages)
+#define VMLA_WG_PIPE 0    // wgmma body: 1 = QK of tile t and P V of tile t-1 in flight together (3 stages)
 #endif
 #ifndef VMLA_KPASSES
 #define VMLA_KPASSES 1    // QK of a warp's keys in this many passes (fewer live score registers)
@@ -55,21 +55,9 @@
 #define VMLA_RESCALE_TAU 0
 #endif
 
-#ifndef VMLA_ROW_LOADS
-#define VMLA_ROW_LOADS 1  // pool rows gathered by NUM_THREADS / BN threads each (where that divides the row's chunks)
-#endif
-#ifndef VMLA_PAD_SKIP
-#define VMLA_PAD_SKIP 1  // warps whose rows are all padding skip QK and the softmax step
-#endif
-#ifndef VMLA_RESCALE_SKIP
-#define VMLA_RESCALE_SKIP 1  // skip the accumulator rescale on tiles where no row of the block moved its max
-#endif
 #ifndef VMLA_FAST_MASK
 #define VMLA_FAST_MASK 1  // the softmax step's tree mask as one bit word per thread (<= 2 mask loads, no branches
                           // per key): -4 to -6 % on the H200, same bits (0: the mask read key by key)
-#endif
-#ifndef VMLA_FAST_EXP
-#define VMLA_FAST_EXP 0  // bare ex2.approx.ftz for p and alpha (measured: no gain, same bits on the bench cases)
 #endif
 #ifndef VMLA_FEW_ROWS
 #define VMLA_FEW_ROWS 0  // wgmma body: row tiles of at most this many rows (<= 16) run the mma.sync few-row
@@ -78,8 +66,3 @@
 #ifndef VMLA_FUSED_MERGE_SEGS
 #define VMLA_FUSED_MERGE_SEGS 4  // split row tiles of at most this many partials may be merged by their last block
 #endif
-
-// Timing experiments only (the output is wrong with any of these): VMLA_SKIP_LOAD (no pool-row copies),
-// VMLA_SKIP_QK / VMLA_SKIP_PV (no tensor-core work in that phase), VMLA_SKIP_SOFTMAX (P = raw scores),
-// VMLA_SKIP_EXCHANGE (wgmma body: each warpgroup softmaxes its own partial scores; no barrier).
-// scripts/variants.py times them against the real kernel to see where the time goes.

@@ -28,13 +28,14 @@ constexpr int SX_STRIDE = BN + 8;               // fp32 per row of a partial-sco
 constexpr int LOAD_AHEAD = VMLA_STAGES - 1 - (VMLA_WG_PIPE ? 1 : 0);
 constexpr int SLOT_AHEAD = 2 * LOAD_AHEAD, IDX_RING = 2 * VMLA_STAGES;
 static_assert(LOAD_AHEAD >= 1, "the pipelined loop needs 3 stages");
+static_assert(VMLA_WG_PIPE == 0 || VMLA_WG_PIPE == 1, "VMLA_WG_PIPE: 0 (QK then P V per tile) or 1 (pipelined)");
 static_assert(BN == 32, "the score fragments, the mask word and the PV k-steps assume 32-key tiles");
 static_assert(VMLA_BM == 64 && VMLA_WARPS == 8, "the wgmma path is 64 rows, two warpgroups");
 
 struct Smem {
   __nv_bfloat16 q[ATOMS][BM][64];               // 1024-byte aligned atoms (the block's base is)
   __nv_bfloat16 kv[VMLA_STAGES][ATOMS][BN][64];
-  __nv_bfloat16 p[2][BM][BN];                   // P of two tiles, 64-byte swizzle (VMLA_WG_PIPE 2)
+  __nv_bfloat16 p[2][BM][BN];                   // the few-row segment's P (and scratch)
   float s[2][BM][SX_STRIDE];                    // each warpgroup's partial scores (then the fused merge's weights)
   int idx[IDX_RING][BN];
   int flag[4];
@@ -168,11 +169,11 @@ __device__ __forceinline__ float softmax_row(RowState& st, float* x, uint32_t vi
   const bool grow = tile_max > st.m;
   const float m_new = grow ? tile_max : st.m;
   const float m_use = m_new == VMLA_NEG_INF ? 0.f : m_new;
-  const float alpha = grow ? exp2_(st.m - m_use) : 1.f;
+  const float alpha = grow ? exp2f(st.m - m_use) : 1.f;
   float psum = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    x[i] = exp2_(x[i] - m_use);
+    x[i] = exp2f(x[i] - m_use);
     psum += x[i];
   }
   st.l = st.l * alpha + psum;
@@ -329,40 +330,10 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   };
 
   float s[NT][4], x[2][8], alpha[2];
-#if VMLA_WG_PIPE != 2
   uint32_t pa[2][4];
-#endif
   // Software pipeline: QK of tile t and P V of tile t-1 are issued together; the exchange and the softmax of
   // tile t run while P V of tile t-1 is on the tensor cores (its V stays in its stage: 3 stages).
-#if VMLA_WG_PIPE == 2
-  // P through shared memory: no P registers held while P V runs. Each warpgroup writes half the rows (both
-  // hold all of P); top()'s barrier publishes them before the next tile's P V reads them.
-  auto write_p = [&](const float (&x)[2][8], int buf) {
-    if (warp / 2 == wg) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = r_lo + 8 * h;
-        char* row = reinterpret_cast<char*>(&sm.p[buf][r][0]);
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-          *reinterpret_cast<uint32_t*>(row + ((j ^ ((r >> 1) & 3)) << 4) + tig * 4) = pack_bf16(x[h][2 * j], x[h][2 * j + 1]);
-      }
-    }
-    fence_async_smem();
-  };
-  auto issue_pv_ss = [&](int buf, int stage) {
-    const uint64_t dp = opaque(desc(&sm.p[buf][0][0], 16, 512, 2));
-    const uint64_t dv = opaque(desc(&sm.kv[stage][wg * 4][0][0], BN * 128, 1024));
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) wgmma_pv_ss(acc, dp + ((kk * 32) >> 4), dv + ((kk * 16 * 128) >> 4));
-    wg_commit();
-  };
-  // the pipelined loop's three P-dependent steps
-  auto stash_p = [&](const float (&x)[2][8], int t) { write_p(x, t % 2); };
-  auto issue_pv_of = [&](int t) { issue_pv_ss(t % 2, t % VMLA_STAGES); };
-  auto pv_done = [&]() { fence_operands(acc); };
-#elif VMLA_WG_PIPE == 1
+#if VMLA_WG_PIPE == 1
   auto stash_p = [&](const float (&x)[2][8], int) { pack(x, pa); };
   auto issue_pv_of = [&](int t) { issue_pv(pa, t % VMLA_STAGES); };
   auto pv_done = [&]() {  // the accumulators and P's registers are free again
@@ -393,7 +364,6 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
       rescale(alpha);
       stash_p(x, t);
     }
-    if (VMLA_WG_PIPE == 2) __syncthreads();  // P of the last tile from both warpgroups
     issue_pv_of(num_tiles - 1);
     wg_wait<0>();
     pv_done();
@@ -532,7 +502,7 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
       if (scol == 0) row_alpha[srow] = alpha;
     }
     const bool moved = __syncthreads_or(alpha != 1.f);  // P and alpha visible; did any row move its max?
-    if (moved || !VMLA_RESCALE_SKIP) rescale_acc(acc, row_alpha, lane);
+    if (moved) rescale_acc(acc, row_alpha, lane);
 #ifndef VMLA_SKIP_PV
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {

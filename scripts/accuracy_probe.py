@@ -23,7 +23,6 @@ VARIANTS = {
     "bm64 tau8": (dataclasses.replace(BM64, extra=(("VMLA_RESCALE_TAU", 8),)), {}),
     "bm32": (KernelConfig(), {}),
     "bm32 tau8": (KernelConfig(extra=(("VMLA_RESCALE_TAU", 8),)), {}),
-    "bm64 fast exp": (dataclasses.replace(BM64, extra=(("VMLA_FAST_EXP", 1),)), {}),
     "wgmma": (KernelConfig.for_arch("sm_90a"), {}),
 }
 

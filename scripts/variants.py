@@ -20,7 +20,6 @@ from kdtree.marshal import marshal  # noqa: E402
 from kdtree.synth import synthesize  # noqa: E402
 
 BM64 = dict(bm=64, q_smem=True, rgroups=2, khalves=1)
-V6_PLAN = dict(fused_merge=False)  # v6's plan: the merge kernel
 # VMLA_SKIP_* sets: variant suffix -> the parts left out (the wgmma body also has the partial-score exchange)
 SKIPS = {
     "qk": ["QK"],
@@ -36,19 +35,9 @@ VARIANTS = {
     "bm32_regs": (KernelConfig(), {}),  # sm_120's configuration
     "bm64_r2k1": (KernelConfig(**BM64), {}),  # sm_90's configuration
     "bm64_16warps": (KernelConfig(**(BM64 | dict(warps=16, khalves=2))), {}),  # 128 registers each: spills
-    # v7's switches one at a time (a lagging max, no padding skips, no rescale skip), and all off with v6's
-    # chunked pool loads and merge kernel
+    # a lagging max (VMLA_RESCALE_TAU) and the tree mask read key by key (the bit-equality reference)
     "tau8": (KernelConfig(**BM64, extra=(("VMLA_RESCALE_TAU", 8),)), {}),
-    "no_pad_skip": (KernelConfig(**BM64, extra=(("VMLA_PAD_SKIP", 0),)), {}),
-    "no_rescale_skip": (KernelConfig(**BM64, extra=(("VMLA_RESCALE_SKIP", 0),)), {}),
-    "v6_strict": (KernelConfig(**BM64, extra=(("VMLA_PAD_SKIP", 0), ("VMLA_RESCALE_SKIP", 0), ("VMLA_ROW_LOADS", 0))), V6_PLAN),
-    # session 3's branch-free tree mask (default since session 4: fast_mask = the default, no_fast_mask = key by key)
-    # and bare ex2 (no gain)
-    "fast_mask": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 1),)), {}),
     "no_fast_mask": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 0),)), {}),
-    "fast_exp": (KernelConfig(**BM64, extra=(("VMLA_FAST_EXP", 1),)), {}),
-    "fast_softmax": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 1), ("VMLA_FAST_EXP", 1))), {}),
-    "bm32_fast_softmax": (KernelConfig(extra=(("VMLA_FAST_MASK", 1), ("VMLA_FAST_EXP", 1))), {}),
     # BM 32 in blocks of 4 warps, two resident per SM (independent barriers: one block's softmax under the other's MMAs)
     "bm32_w4x2": (KernelConfig(warps=4, khalves=1, kpasses=2, blocks_per_sm=2), {}),
     "bm32_w4x1": (KernelConfig(warps=4, khalves=1, kpasses=2), {}),
@@ -77,7 +66,6 @@ VARIANTS = {
         f"wgmma_few{round(c * 100)}": (KernelConfig.for_arch("sm_90a"), {"few_unit_cost": c})
         for c in (0.3, 0.5, 0.55, 0.6, 0.65, 0.7)
     },
-    "wgmma_pipe_p_smem": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=2), {}),
     "wgmma_merge_kernel": (KernelConfig.for_arch("sm_90a"), {"fused_merge": False}),
     "wgmma_fused": (KernelConfig.for_arch("sm_90a"), {"fused_merge": True}),
     # equal unit shares (session 4's plan) instead of shares balanced for segment overheads

@@ -55,7 +55,7 @@ def test_every_candidate_configuration_fits_without_spills():
             assert fwd.ok and fwd.bm == config.bm, fwd.line()
 
 
-@pytest.mark.parametrize("switches", [(("VMLA_FAST_EXP", 1),), (("VMLA_FAST_MASK", 0),)], ids=["fast-exp", "per-key-mask"])
+@pytest.mark.parametrize("switches", [(("VMLA_RESCALE_TAU", 8),), (("VMLA_FAST_MASK", 0),)], ids=["lagging-max", "per-key-mask"])
 def test_optional_switches_compile_and_fit(switches):
     """Switches kept for experiments (off by default: measured no gain) still compile, without spills, everywhere."""
     for arch in ("sm_120", "sm_90"):
@@ -130,9 +130,7 @@ def test_compile_errors_quote_the_offending_line(kernel_copy):
     assert "| " in msg and "rt_request[rt] +;" in msg  # the source line, quoted under the error
 
 
-@pytest.mark.parametrize(
-    "stages,pipe", [(2, 0), (3, 0), (3, 1), (3, 2)], ids=["2-stages", "3-stages", "pipelined", "pipelined-p-smem"]
-)
+@pytest.mark.parametrize("stages,pipe", [(2, 0), (3, 0), (3, 1)], ids=["2-stages", "3-stages", "pipelined"])
 def test_wgmma_variants_compile_and_fit(stages, pipe):
     """The Hopper segment's loop variants (the default is pipelined, 3 stages) compile for sm_90a without spills
     and within its shared memory; `smem_bytes` is what the launch asks for."""

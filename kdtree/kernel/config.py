@@ -77,8 +77,7 @@ class KernelConfig:
     kpasses: int = 1  # QK of a warp's keys in this many passes (fewer live score registers)
     blocks_per_sm: int = 1  # resident blocks per SM: the persistent grid is this many per SM
     wgmma: bool = False  # the Hopper segment (warpgroup MMAs from swizzled shared memory; sm_90a, BM 64)
-    wg_pipe: int = 0  # wgmma segment: 1 = QK of tile t and P V of tile t-1 in flight together (3 stages),
-    # 2 = the same with P through shared memory
+    wg_pipe: int = 0  # wgmma segment: 1 = QK of tile t and P V of tile t-1 in flight together (3 stages)
     few_rows: int = 0  # wgmma segment: row tiles of at most this many rows (<= 16) run the mma.sync few-row
     # segment, at FEW_UNIT_COST of a unit (0: every tile is a 64-row wgmma tile)
     extra: tuple[tuple[str, int], ...] = ()  # more -D switches (timing experiments)

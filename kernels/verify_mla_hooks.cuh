@@ -1,0 +1,32 @@
+// Timing and trace hooks of verify_mla.cu, off by default; nothing here is part of the algorithm.
+#pragma once
+
+// Timing experiments only (the output is wrong with any of these): VMLA_SKIP_LOAD (no pool-row copies),
+// VMLA_SKIP_QK / VMLA_SKIP_PV (no tensor-core work in that phase), VMLA_SKIP_SOFTMAX (P = raw scores),
+// VMLA_SKIP_EXCHANGE (wgmma body: each warpgroup softmaxes its own partial scores; no barrier).
+// scripts/variants.py times them against the real kernel to see where the time goes.
+// (each guards its phase with #ifndef VMLA_SKIP_<PHASE> where the phase is issued)
+
+// VMLA_TRACE (timing experiments, scripts/trace_case.py): thread 0 of each block stamps %globaltimer (ns) into
+// vmla_trace[block][slot]: slot 0 the block's start, 31 its end, 1 + 5 s + e event e of its segment s (s < 6):
+// 0 start, 1 Q and slot ids landed, 2 first tile landed, 3 tile loop done, 4 outputs written.
+#ifndef VMLA_TRACE
+#define VMLA_TRACE 0
+#endif
+#define VMLA_MARK_START 100
+#define VMLA_MARK_END 101
+#if VMLA_TRACE
+extern "C" __device__ unsigned long long vmla_trace[VMLA_TRACE * 32];  // VMLA_TRACE = the grid size
+__device__ __forceinline__ void trace_mark(int slot) {
+  __shared__ int seg;  // the walk's segment count (thread 0's own: nobody else reads it)
+  if (threadIdx.x != 0) return;
+  if (slot < 0) { seg = slot == -1 ? 0 : seg + 1; return; }  // -1: first segment, -2: next segment
+  const int at = slot == VMLA_MARK_START ? 0 : slot == VMLA_MARK_END ? 31 : 1 + 5 * seg + slot;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  if (at < 32) vmla_trace[blockIdx.x * 32 + at] = t;
+}
+#define VMLA_MARK(slot) trace_mark(slot)
+#else
+#define VMLA_MARK(slot) ((void)0)
+#endif
