@@ -176,3 +176,9 @@ def test_the_plugin_entry_point_is_installed_and_loads_without_sglang():
     fn = ep.load()
     assert callable(fn) and fn.__name__ == "register"
     assert ("sglang" in sys.modules) == had_sglang, "loading the entry point imported SGLang"
+
+
+def test_the_sglang_extra_pins_the_supported_range():
+    reqs = importlib.metadata.requires("kdtree") or []
+    (sglang,) = [r for r in reqs if r.startswith("sglang") and 'extra == "sglang"' in r]
+    assert ">=0.5.23" in sglang and "<0.6" in sglang
