@@ -43,6 +43,56 @@ def bench_figure(result: dict) -> Figure:
     return fig
 
 
+def sglang_bench_figure(result: dict) -> Figure:
+    """`kdtree bench --sglang`: left, one verify layer's GPU time, kdtree's and Triton's backend, eager and
+    replayed from CUDA graphs; right, the speedups, with the 5x bar."""
+    cases = [c for c in result["cases"] if "layer_ms" in c]
+    names = [c["name"] for c in cases]
+    x = np.arange(len(cases))
+    series = [
+        ("triton", "Triton eager"),
+        ("triton_graph", "Triton graph"),
+        ("kdtree", "kdtree eager"),
+        ("kdtree_graph", "kdtree graph"),
+    ]
+    fig = Figure(figsize=(13, 4.8))
+    ax, ax2 = fig.subplots(1, 2)
+    w = 0.8 / len(series)
+    for k, (key, label) in enumerate(series):
+        color = IMPL_COLORS.get("kdtree" if key.startswith("kdtree") else "sglang")
+        ax.bar(
+            x + (k - 1.5) * w,
+            [c["layer_ms"][key] for c in cases],
+            w,
+            label=label,
+            color=color,
+            alpha=1.0 if key.endswith("graph") else 0.5,
+        )
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per layer (median, L2 flushed)")
+    ax.set_title("one verify layer's forward_extend")
+    for k, mode in enumerate(("eager", "graph")):
+        ax2.bar(
+            x + (k - 0.5) * 0.4,
+            [c["speedup"][mode] for c in cases],
+            0.4,
+            label=mode,
+            color=IMPL_COLORS.get("kdtree"),
+            alpha=0.5 if mode == "eager" else 1.0,
+        )
+    ax2.axhline(5, color="black", ls="--", lw=1, label="5x")
+    ax2.set_ylabel("Triton backend time / kdtree backend time")
+    ax2.set_yscale("log")
+    ax2.set_title("speedup over SGLang's Triton backend")
+    for a in (ax, ax2):
+        a.set_xticks(x)
+        a.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+        a.legend(fontsize=8)
+    fig.suptitle(f"{result['device']} - SGLang {result.get('sglang', '?')}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 # ----- masks ---------------------------------------------------------------------------------------
 NONE, MIXED, ALL = 0, 1, 2  # block states of a downsampled mask: no cell visible, some, every one
 MASK_CMAP = ListedColormap(["#f2f2f2", "#f4a261", "#264653"])

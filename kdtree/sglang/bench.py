@@ -180,7 +180,12 @@ def format_row(r: dict) -> str:
 
 
 def save(result: dict, path) -> None:
+    """The result as JSON at `path` and its figure (`kdtree.plots.sglang_bench_figure`) beside it (.png)."""
     from pathlib import Path
 
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=1))
+    from kdtree.plots import sglang_bench_figure
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    sglang_bench_figure(result).savefig(path.with_suffix(".png"), dpi=110, bbox_inches="tight")
