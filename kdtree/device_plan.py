@@ -108,17 +108,12 @@ def plan_on_device(
     tr = within % cfg.bm
     row_segs = split[row_rt]
     row_merge = torch.stack([torch.where(row_segs > 0, rt_seg_base[row_rt] * cfg.bm + tr, 0), row_segs], 1)
-    arrays = {
-        "cta_unit_start": cta_unit_start,
-        "cta_first_rt": cta_first_rt,
-        "rt_unit_start": rt_unit_start,
-        "rt_request": rt_request,
-        "rt_row0": rt_row0,
-        "rt_first_cta": rt_first_cta,
-        "rt_seg_base": rt_seg_base,
-        "row_merge": row_merge.reshape(-1),
-    }
-    assert set(arrays) == set(PLAN_ARRAYS)
+    arrays = dict(
+        zip(
+            PLAN_ARRAYS,
+            (cta_unit_start, cta_first_rt, rt_unit_start, rt_request, rt_row0, rt_first_cta, rt_seg_base, row_merge.reshape(-1)),
+        )
+    )
     return LaunchPlan(
         batch_size=bs,
         num_heads=shape.num_heads,

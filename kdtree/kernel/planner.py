@@ -152,16 +152,12 @@ def plan(
     tr = np.arange(total_rows) - np.repeat(np.cumsum(tile_rows) - tile_rows, tile_rows)
     row_segs = np.where(segs > 1, segs, 0)[row_rt]
     row_merge = np.stack([np.where(row_segs > 0, rt_seg_base[row_rt] * config.bm + tr, 0), row_segs], axis=1)
-    arrays = {
-        "cta_unit_start": cta_unit_start,
-        "cta_first_rt": cta_first_rt,
-        "rt_unit_start": rt_unit_start,
-        "rt_request": rt_request,
-        "rt_row0": rt_row0,
-        "rt_first_cta": rt_first_cta,
-        "rt_seg_base": rt_seg_base,
-        "row_merge": row_merge.reshape(-1),
-    }
+    arrays = dict(
+        zip(
+            PLAN_ARRAYS,
+            (cta_unit_start, cta_first_rt, rt_unit_start, rt_request, rt_row0, rt_first_cta, rt_seg_base, row_merge.reshape(-1)),
+        )
+    )
     return LaunchPlan(
         batch_size=len(n),
         num_heads=num_heads,

@@ -107,18 +107,7 @@ def run_case(case: ServingCase, do_bench) -> dict:
         o_k, o_t = kdtree_call().clone(), triton_call().clone()
         out["rel_vs_triton"] = float((o_k.double() - o_t.double()).norm() / o_t.double().norm())
         batch = backend.verify_batch(fb)
-        prep = lambda: backend.runner.path.prepare(  # noqa: E731
-            batch.qo_indptr,
-            batch.kv_indptr,
-            batch.kv_indices,
-            batch.out_cache_loc,
-            batch.custom_mask,
-            batch.mask_indptr,
-            batch_size=bs,
-            num_draft=n,
-            num_heads=H,
-            kv_capacity=batch.kv_capacity,
-        )
+        prep = lambda: batch.prepare(backend.runner.path, H)  # noqa: E731
         meta = lambda: TritonAttnBackend.init_forward_metadata(backend, fb)  # noqa: E731
         out["layer_ms"] = {"kdtree": do_bench(kdtree_call), "triton": do_bench(triton_call)}
         out["step_metadata_ms"] = {"triton": do_bench(meta), "kdtree_marshal_plan": do_bench(prep)}

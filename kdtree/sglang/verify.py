@@ -38,6 +38,21 @@ class VerifyBatch:
         kvp = self.kv_indptr[: self.batch_size + 1].cpu().long()
         return (kvp[1:] - kvp[:-1]).tolist()
 
+    def prepare(self, path, num_heads: int):
+        """This step marshaled and planned on the GPU by `path` (a `kdtree.serving.ServingPath`)."""
+        return path.prepare(
+            self.qo_indptr,
+            self.kv_indptr,
+            self.kv_indices,
+            self.out_cache_loc,
+            self.custom_mask,
+            self.mask_indptr,
+            batch_size=self.batch_size,
+            num_draft=self.num_draft,
+            num_heads=num_heads,
+            kv_capacity=self.kv_capacity,
+        )
+
     def marshal(self, sm_scale: float, logit_cap: float) -> VerifyArgs:
         """The kernel's arguments in torch ops (`kdtree.device_marshal`; the CPU twin of the marshal kernel)."""
         prefix = self.prefix_lens()
@@ -85,18 +100,7 @@ class VerifyRunner:
 
         key = (batch.step, q.shape[1])
         if self._key != key:
-            self._prepared = self.path.prepare(
-                batch.qo_indptr,
-                batch.kv_indptr,
-                batch.kv_indices,
-                batch.out_cache_loc,
-                batch.custom_mask,
-                batch.mask_indptr,
-                batch_size=batch.batch_size,
-                num_draft=batch.num_draft,
-                num_heads=q.shape[1],
-                kv_capacity=batch.kv_capacity,
-            )
+            self._prepared = batch.prepare(self.path, q.shape[1])
             self._key = key
         check_inputs(self._prepared.args, q, kv_buffer)
         return self.path.launch(self._prepared, q.contiguous(), kv_buffer, o, sm_scale=sm_scale, logit_cap=logit_cap)
