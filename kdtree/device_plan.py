@@ -4,9 +4,12 @@ then recorded into the graph and rebuilt on the GPU at every replay from the new
 
 The grid is fixed (`grid` blocks); a batch with fewer work units than blocks leaves the trailing blocks
 empty (`cta_unit_start` repeats the unit count; the kernel's loop does not run for them). Row tiles are
-never split across an empty block, so the partial slots stay those of `kdtree.kernel.plan`, whose arrays
-this reproduces bit for bit on CPU where the grid is the same (`tests/test_device_plan.py`). The fused merge
-is off (the merge kernel runs and skips rows that were not split).
+never split across an empty block, so the partial slots are those `kdtree.kernel.plan` would give. The
+arithmetic is the host planner's in float64; where a boundary lands on a float rounding of the balanced
+work, a different order of summation (torch's, the GPU's) can move it by one unit, which changes the balance
+but no output (`tests/test_device_plan.py`: the same arrays on the shipped captures, and a valid plan - every
+unit once, slots unique and within `max_segments` - on random batches). The fused merge is off (the merge
+kernel runs and skips rows that were not split).
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def plan_on_device(
     rt_unit_start = torch.cat([kv.new_zeros(1), torch.cumsum(key_tiles[rt_request], 0)])
     units = rt_unit_start[-1]
     live = torch.clamp(units, max=shape.grid)
-    few = torch.where(tile_rows <= cfg.few_row_limit, few_unit_cost, 1.0).double()
+    few = torch.ones(R, dtype=torch.float64, device=dev).masked_fill(tile_rows <= cfg.few_row_limit, few_unit_cost)
     cta_unit_start = balanced_split_t(rt_unit_start, shape.grid, live, segment_units, few)
     cta_first_rt = (torch.searchsorted(rt_unit_start, cta_unit_start[:-1], right=True) - 1).clamp(max=R - 1)
     rt_first_cta = torch.searchsorted(cta_unit_start, rt_unit_start[:-1], right=True) - 1

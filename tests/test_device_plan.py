@@ -1,4 +1,5 @@
-"""The graph-shaped planner (torch ops, fixed shapes) against the host planner: the same arrays on CPU."""
+"""The graph-shaped planner (torch ops, fixed shapes) against the host planner: the same arrays on the shipped
+captures, and a valid plan on random batches."""
 
 from __future__ import annotations
 
@@ -56,3 +57,36 @@ def test_device_plan_matches_on_fresh_batches(seed):
     cap = small(seed=seed, tree="chain", num_draft_tokens=n, batch_size=len(prefixes), prefix_lens=prefixes, budget=None)
     for cfg in CONFIGS.values():
         check_same(marshal(cap), cap.meta.num_heads, cfg, int(rng.integers(1, 300)))
+
+
+def check_valid(p, shape):
+    """Every unit is walked once, by one block; partial slots are unique, below the bound, and the row lookup
+    counts each split tile's blocks."""
+    walked = {}
+    slots = []
+    for block, rt, k0, k1, slot in p.walk():
+        for k in range(k0, k1):
+            assert (rt, k) not in walked
+            walked[rt, k] = block
+        if slot is not None:
+            slots.append(slot)
+    starts = p.arrays["rt_unit_start"].tolist()
+    assert sorted(walked) == [(rt, k) for rt in range(len(starts) - 1) for k in range(starts[rt + 1] - starts[rt])]
+    assert len(slots) == len(set(slots)) and all(0 <= s < shape.max_segments for s in slots)
+    live = min(shape.grid, starts[-1])
+    cta = p.arrays["cta_unit_start"].tolist()
+    assert all(cta[c + 1] > cta[c] for c in range(live)) and all(x == starts[-1] for x in cta[live:])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_device_plan_is_valid_on_random_batches(seed):
+    import numpy as np
+
+    rng = np.random.default_rng(100 + seed)
+    bs, n, heads = int(rng.integers(1, 40)), int(rng.choice([1, 2, 9, 17, 33, 65, 257])), int(rng.choice([8, 16, 64]))
+    prefix = rng.integers(0, 5000, bs) * (rng.random(bs) < 0.9)
+    qo = torch.arange(bs + 1, dtype=torch.int32) * n
+    combined = torch.tensor(np.concatenate([[0], np.cumsum(prefix + n)]), dtype=torch.int32)
+    cfg = list(CONFIGS.values())[seed % len(CONFIGS)]
+    shape = PlanShape(bs, n, heads, cfg, int(rng.integers(1, 400)))
+    check_valid(plan_on_device(qo, combined, shape, mask_words=(n + 31) // 32), shape)

@@ -182,3 +182,40 @@ def test_the_sglang_extra_pins_the_supported_range():
     reqs = importlib.metadata.requires("kdtree") or []
     (sglang,) = [r for r in reqs if r.startswith("sglang") and 'extra == "sglang"' in r]
     assert ">=0.5.23" in sglang and "<0.6" in sglang
+
+
+class CountingPath:
+    """Stands in for kdtree.serving.ServingPath, which needs a GPU (CuPy, the kernels): records prepares and
+    launches, so the runner's once-per-step rule can be checked on CPU."""
+
+    def __init__(self):
+        self.prepared, self.launched = [], 0
+
+    def prepare(self, *tensors, **sizes):
+        self.prepared.append(sizes)
+        return type("Step", (), {"args": None})()
+
+    def launch(self, step, q, kv_buffer, o, **kw):
+        self.launched += 1
+        return o
+
+
+def test_the_runner_prepares_once_per_step_object_and_again_for_a_capture(monkeypatch):
+    from kdtree.sglang.verify import VerifyRunner
+
+    monkeypatch.setattr("kdtree.kernel.check_inputs", lambda *a: None)
+    cap = load(next(p for p in SHIPPED if p.stem == "sglang-ddtree17"))
+    path = CountingPath()
+    runner = VerifyRunner(path)
+    q, pool = cap.layer(0).q, cap.pool(0)
+    o = torch.empty(cap.num_tokens, cap.meta.num_heads, 512)
+    warmup = batch_of(cap)
+    for _ in range(3):  # a step's layers (or a captured batch's eager warm-ups): one prepare
+        runner.run(warmup, q, pool, o, sm_scale=1.0, logit_cap=0.0)
+    captured = batch_of(cap)  # the backend builds a new batch when the capture starts: prepared again
+    runner.run(captured, q, pool, o, sm_scale=1.0, logit_cap=0.0)
+    runner.run(captured, q, pool, o, sm_scale=1.0, logit_cap=0.0)
+    runner.new_step()
+    runner.run(captured, q, pool, o, sm_scale=1.0, logit_cap=0.0)
+    assert len(path.prepared) == 3 and path.launched == 6
+    assert path.prepared[0]["num_heads"] == cap.meta.num_heads and path.prepared[0]["batch_size"] == cap.batch_size

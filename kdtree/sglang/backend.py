@@ -55,6 +55,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
         self.capture = CaptureWriter(self.settings.capture_dir, self.settings.capture_max_files, self.settings.capture_max_bytes)
         self.verify_step = -1
         self._batch: VerifyBatch | None = None
+        self._batch_captured = False  # whether self._batch was built during a CUDA-graph capture
         self._graph_kv_capacity: int | None = None
         log.once(
             "mode", f"attention backend kdtree, mode {self.settings.mode} (KDTREE_MODE), TP rank {self.tp_rank}", logging.INFO
@@ -74,6 +75,11 @@ class KdtreeAttnBackend(TritonAttnBackend):
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
         self._new_step(forward_batch)
 
+    def on_after_cuda_graph_warmup(self):
+        super().on_after_cuda_graph_warmup()
+        self._batch = None  # the capture that follows marshals and plans inside the graph
+        self.runner.new_step()
+
     def _new_step(self, forward_batch) -> None:
         self._batch = None
         self.runner.new_step()
@@ -81,12 +87,17 @@ class KdtreeAttnBackend(TritonAttnBackend):
             self.verify_step += 1
 
     def verify_batch(self, forward_batch) -> VerifyBatch:
-        """This step's metadata from Triton's `forward_metadata` (no host sync: CUDA-graph safe)."""
-        if self._batch is None:
+        """This step's metadata from Triton's `forward_metadata` (no host sync: CUDA-graph safe). Built once per
+        step, and again when a CUDA-graph capture starts: SGLang runs a captured batch's forward eagerly first
+        (warm-ups) without a new metadata call, and the graph must record the marshal kernel and the plan, sized
+        for any replay, not reuse the warm-up's."""
+        capturing = torch.cuda.is_current_stream_capturing()
+        if self._batch is None or self._batch_captured != capturing:
             md = self.forward_metadata
             bs = len(forward_batch.req_pool_indices)
             n = int(md.max_extend_len)
-            if torch.cuda.is_current_stream_capturing() or forward_batch.seq_lens_sum is None:
+            self._batch_captured = capturing
+            if capturing or forward_batch.seq_lens_sum is None:
                 capacity = self._graph_kv_capacity or (md.kv_indices.numel() + bs * n)
             else:
                 capacity = int(forward_batch.seq_lens_sum) + bs * n

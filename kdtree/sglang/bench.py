@@ -4,7 +4,8 @@ the same run, eager and replayed from CUDA graphs.
 Each case is built with SGLang's attention test kit (`kdtree.sglang.kit`: real ForwardBatch, ReqToTokenPool,
 MLATokenToKVPool, EagleVerifyInput with a DDTree custom mask), random bf16 q and pool (not zeros). Per case:
 - `layer_ms`: GPU time of one layer's `forward_extend` (kdtree's with the step already marshaled and planned),
-  eager and replayed from a CUDA graph of that one call (`*_graph`);
+  eager and replayed from a CUDA graph of that one layer (`*_graph`), and kdtree's call as a captured step's
+  first layer records it, marshal and plan included (`kdtree_graph_with_marshal_plan`);
 - `step_metadata_ms`: GPU time of what a verify step does once before its layers: Triton's
   `init_forward_metadata`, and kdtree's marshal + plan (`kdtree.serving`) on top of it;
 - `host_us`: host time per step outside the kernels: eager, the metadata call (kdtree: plus marshal + plan);
@@ -115,14 +116,14 @@ def run_case(case: ServingCase, do_bench) -> dict:
         # CUDA graphs: Triton's graph buffers, SGLang's out-of-graph hook, one layer's call recorded
         backend.init_cuda_graph_state(bs, bs * n)
         backend.init_forward_metadata_out_graph(fb, in_capture=True)
-        out["layer_ms"]["kdtree_graph"] = _graph_ms(kdtree_call, do_bench)
+        # one layer alone: the step marshaled and planned beforehand, the graph holds the layer's kernels
+        step = backend.verify_batch(fb).prepare(backend.runner.path, H)
+        o_graph = torch.empty(bs * n, H, 512, dtype=torch.bfloat16, device="cuda")
+        layer_only = lambda: backend.runner.path.launch(step, q.view(-1, H, 576), pool, o_graph, sm_scale=layer.scaling)  # noqa: E731
+        out["layer_ms"]["kdtree_graph"] = _graph_ms(layer_only, do_bench)
         out["layer_ms"]["triton_graph"] = _graph_ms(triton_call, do_bench)
-
-        def step_with_marshal():
-            backend.runner.new_step()
-            kdtree_call()
-
-        out["layer_ms"]["kdtree_graph_with_marshal_plan"] = _graph_ms(step_with_marshal, do_bench)
+        # the backend's call as a server's graph records it: marshal + plan (the step's first layer) and the layer
+        out["layer_ms"]["kdtree_graph_with_marshal_plan"] = _graph_ms(kdtree_call, do_bench)
         out["host_us"]["out_graph_kdtree"] = _host_us(lambda: backend.init_forward_metadata_out_graph(fb))
         out["host_us"]["out_graph_triton"] = _host_us(lambda: TritonAttnBackend.init_forward_metadata_out_graph(backend, fb))
     lm = out["layer_ms"]

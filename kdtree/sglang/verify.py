@@ -73,12 +73,14 @@ class VerifyBatch:
 
 
 class VerifyRunner:
-    """Marshal and plan a step once (on the GPU), run the kdtree kernel for each of its layers."""
+    """Marshal and plan a step once (on the GPU), run the kdtree kernel for each of its layers. A step is one
+    `VerifyBatch` object: the backend builds a new one per step and when a CUDA-graph capture starts, so the
+    marshal kernel and the plan are recorded in the graph rather than taken from an eager warm-up."""
 
     def __init__(self, path=None):
         self._path = path
         self._prepared = None
-        self._key = None
+        self._key = None  # (the VerifyBatch it was prepared for, heads)
 
     @property
     def path(self):
@@ -98,8 +100,8 @@ class VerifyRunner:
         """o [T, H, 512] <- attention of q [T, H, 576] over the pool kv_buffer [slots, 1, 576] for this step."""
         from kdtree.kernel import check_inputs
 
-        key = (batch.step, q.shape[1])
-        if self._key != key:
+        key = (batch, q.shape[1])
+        if self._key is None or self._key[0] is not batch or self._key[1] != key[1]:
             self._prepared = batch.prepare(self.path, q.shape[1])
             self._key = key
         check_inputs(self._prepared.args, q, kv_buffer)
