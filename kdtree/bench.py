@@ -84,11 +84,19 @@ def measure_ceilings(do_bench) -> dict:
     src = torch.randn(1 << 28, device="cuda")  # 1 GiB
     dst = torch.empty_like(src)
     ms_copy = do_bench(lambda: dst.copy_(src))
-    return {
+    result = {
         "matmul_bf16_tflops": 2 * n**3 / ms / 1e9,
         "copy_tbps": 2 * src.numel() * 4 / ms_copy / 1e9,
-        "how": "8192^3 bf16 torch matmul on random data; 1 GiB device copy counting read + write",
+        "how": "8192^3 bf16 torch matmul on random data; 1 GiB device copy counting read + write; mma.sync "
+        "m16n8k16 bf16 microkernels (kernels/mma_ceiling.cu): operands in registers, and fed by ldmatrix",
     }
+    from kdtree.ceilings import mma_sync_ceilings
+
+    try:
+        result.update(mma_sync_ceilings(do_bench))
+    except Exception as e:  # noqa: BLE001 - the other ceilings stand; the record says why these are missing
+        result["mma_sync_error"] = f"{type(e).__name__}: {e}"
+    return result
 
 
 # ----- implementations under test ----------------------------------------------------------------
@@ -187,7 +195,11 @@ def run(cases=CASES, *, with_sglang: bool = True, min_rotation_bytes: float = 3 
 
     torch.manual_seed(0)
     ceilings = measure_ceilings(do_bench)
-    log(f"ceilings: bf16 matmul {ceilings['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s")
+    log(
+        f"ceilings: bf16 matmul {ceilings['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s, "
+        f"mma.sync raw {ceilings.get('mma_sync_raw_tflops', float('nan')):.0f} / ldmatrix-fed "
+        f"{ceilings.get('mma_sync_ldmatrix_tflops', float('nan')):.0f} TFLOP/s"
+    )
     from kdtree.sglang import extend_attention
 
     ext, ext_what = extend_attention() if with_sglang else (None, "not asked for")

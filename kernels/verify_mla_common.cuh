@@ -1,16 +1,12 @@
-// The verify kernel's building blocks, apart from its tile loop (verify_mla.cu): PTX wrappers, the argument
-// block, the online-softmax step of one thread's keys, P.V, the epilogue that writes o/lse or a partial, and
-// the LSE merge of split row tiles.
+// The verify kernel's building blocks, apart from its tile loop (verify_mla.cu) and the PTX wrappers
+// (verify_mla_ptx.cuh): the argument block, the online-softmax step of one thread's keys, P.V, the epilogue
+// that writes o/lse or a partial, and the LSE merge of split row tiles.
 #pragma once
 #include <cuda_bf16.h>
 
 #include "verify_mla_config.cuh"
 #include "verify_mla_hooks.cuh"
-
-// NVRTC has no <stdint.h>
-using uint32_t = unsigned int;
-using int64_t = long long;
-using uint64_t = unsigned long long;
+#include "verify_mla_ptx.cuh"
 
 namespace vmla {
 
@@ -21,34 +17,6 @@ constexpr int KSTEPS = VMLA_DIM / 16;     // k16 steps of QK over the 576 dims
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 #define VMLA_NEG_INF (-__int_as_float(0x7f800000))
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-  const int bytes = valid ? 16 : 0;  // 0: fill with zeros, read nothing
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
-  const int bytes = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
 
 // Fetch the slot ids of keys [k0, k0 + VMLA_BN) into dst (0 past k_end): one warp's worth of threads, cp.async.
 __device__ __forceinline__ void load_tile_slots(int* dst, const int* __restrict__ kv_idx, int k0, int k_end) {
@@ -66,14 +34,6 @@ __device__ __forceinline__ void zero_frags(float (&x)[A][B][4]) {
     for (int j = 0; j < B; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) x[i][j][e] = 0.f;
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // A m16 x k16 fragment (rows r0.., cols c0..) of a row-major bf16 tile in shared memory.

@@ -150,3 +150,15 @@ def test_wgmma_experiment_builds_compile(extra):
     config = dataclasses.replace(KernelConfig.for_arch("sm_90"), extra=extra)
     (fwd,) = [r for r in compile_report("sm_90", config) if r.name == "verify_mla_fwd"]
     assert fwd.ok and fwd.arch == "sm_90a" and fwd.spill_stores == 0, fwd.line()
+
+
+@pytest.mark.parametrize("arch", ["sm_120", "sm_90"])
+def test_mma_ceiling_microkernels_compile_without_spills(arch):
+    """kdtree bench's mma.sync ceilings (kernels/mma_ceiling.cu): both entry points, registers only, no local memory."""
+    from kdtree.ceilings import KERNELS, SOURCE
+
+    _, log = nvrtc_compile(arch, KernelConfig(), source=SOURCE)
+    reports = {r.name: r for r in parse_ptxas(log, arch, KernelConfig())}
+    assert set(reports) == set(KERNELS)
+    for r in reports.values():
+        assert r.spill_stores == r.spill_loads == r.stack_bytes == 0 and r.registers <= 64, r.line()
