@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,16 +28,11 @@ class BenchCase:
     name: str
     preset: str
     prefix_lens: tuple[int, ...]
-    num_draft: int  # N = budget + 1
+    num_draft: int  # N = budget + 1 (a DDTree), or N of a chain (N 1: no draft tree, one token a request)
 
     def spec(self) -> SynthSpec:
-        return SynthSpec(
-            preset=self.preset,
-            batch_size=len(self.prefix_lens),
-            prefix_lens=list(self.prefix_lens),
-            budget=self.num_draft - 1,
-            seed=0,
-        )
+        tree = dict(budget=self.num_draft - 1) if self.num_draft > 1 else dict(tree="chain", num_draft_tokens=1)
+        return SynthSpec(preset=self.preset, batch_size=len(self.prefix_lens), prefix_lens=list(self.prefix_lens), seed=0, **tree)
 
 
 # The eight cases of ../shared/docs/anchors.md
@@ -51,6 +47,16 @@ CASES = [
     BenchCase("kimi-tp8 mixed", "kimi-k2-tp8", (100, 1500, 7000, 20000, 3, 45000), 65),
 ]
 
+# Shapes outside the eight (issue 17): the largest DDTree budget at 8k, DP attention's 64 heads at 32k x8, a
+# chain-less step (64 requests of one token at 4k), DeepSeek-V3 with a 256 budget at 32k x2
+V2_CASES = [
+    BenchCase("kimi-tp8 ddtree1024 8k", "kimi-k2-tp8", (8192,), 1025),
+    BenchCase("kimi-dp ddtree32 32k x8", "kimi-k2-dp", (32768,) * 8, 33),
+    BenchCase("kimi-tp8 64 x N1 4k", "kimi-k2-tp8", (4096,) * 64, 1),
+    BenchCase("dsv3-tp8 ddtree256 32k x2", "deepseek-v3-tp8", (32768,) * 2, 257),
+]
+ALL_CASES = CASES + V2_CASES
+
 # Probe cases for experiments (scripts/variants.py, scripts/trace_case.py; not benchmarked): the small tree's
 # 16 x 2,048 prefixes at other tree sizes, to see what the rows past the last full 64-row tile cost
 # (H 8: N 8 = 64 rows, N 9 = 64 + 8, N 16 = 128, N 2 = 16).
@@ -59,7 +65,7 @@ PROBE_CASES = [BenchCase(f"small tree N{n}", "kimi-k2-tp8", (2048,) * 16, n) for
 
 def select_cases(patterns: list[str], *, probes: bool = False) -> list[BenchCase]:
     """Bench cases whose name contains one of `patterns`, then (probes) the probe cases named exactly."""
-    picked = [c for c in CASES if any(p in c.name for p in patterns)]
+    picked = [c for c in ALL_CASES if any(p in c.name for p in patterns)]
     return picked + [c for c in PROBE_CASES if probes and c.name in patterns]
 
 
@@ -187,7 +193,7 @@ class CaseResult:
     impls: dict = field(default_factory=dict)  # name -> {"ms", "tflops", "floor_fraction", ...}
 
 
-def run(cases=CASES, *, with_sglang: bool = True, min_rotation_bytes: float = 3 * 60e6, log=print) -> dict:
+def run(cases=ALL_CASES, *, with_sglang: bool = True, min_rotation_bytes: float = 3 * 60e6, log=print) -> dict:
     import triton.testing
 
     def do_bench(fn):
@@ -236,6 +242,8 @@ def run(cases=CASES, *, with_sglang: bool = True, min_rotation_bytes: float = 3 
                 r.impls["kdtree"]["rel_vs_" + ("sglang" if "sglang" in outs else "torch")] = float((a - b).norm() / b.norm())
         if "sglang" in r.impls and "ms" in r.impls["sglang"] and "ms" in r.impls.get("kdtree", {}):
             r.impls["kdtree"]["speedup_vs_sglang"] = r.impls["sglang"]["ms"] / r.impls["kdtree"]["ms"]
+        if "tflops" in r.impls.get("kdtree", {}):
+            r.impls["kdtree"]["fraction_of"] = ceiling_fractions(r.impls["kdtree"]["tflops"], ceilings)
         results.append(r)
         log(format_row(r))
         sets = outs = None  # free this case's tensors before the next
@@ -246,9 +254,23 @@ def run(cases=CASES, *, with_sglang: bool = True, min_rotation_bytes: float = 3 
         "torch": torch.__version__,
         "python": platform.python_version(),
         "sglang": ext_what,
+        "target": os.environ.get("KDTREE_KERNEL_TARGET") or "this GPU's",
         "ceilings": ceilings,
         "cases": [asdict(r) for r in results],
+        "geomean_speedup_vs_sglang": geomean([r.impls.get("kdtree", {}).get("speedup_vs_sglang") for r in results]),
     }
+
+
+def ceiling_fractions(tflops: float, ceilings: dict) -> dict:
+    """An achieved rate as fractions of each measured ceiling it can be held against (matmul, mma.sync)."""
+    keys = ("matmul_bf16_tflops", "mma_sync_raw_tflops", "mma_sync_ldmatrix_tflops")
+    return {k.removesuffix("_tflops"): tflops / ceilings[k] for k in keys if ceilings.get(k)}
+
+
+def geomean(values) -> float | None:
+    """Geometric mean of the values that are there (None where none is)."""
+    xs = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in xs) / len(xs)) if xs else None
 
 
 def format_row(r: CaseResult) -> str:
@@ -276,6 +298,8 @@ def summary_table(result: dict) -> str:
             f"{c['name']:28s} {f(k, 'ms', '10.3f')} {f(s, 'ms', '10.3f')} {f(t, 'ms', '10.3f')} {f(k, 'speedup_vs_sglang', '8.2f')} "
             f"{f(k, 'tflops', '6.0f')} {c['floor_ms']:9.3f} {100 * k.get('floor_fraction', float('nan')):6.0f}%"
         )
+    if result.get("geomean_speedup_vs_sglang"):
+        lines.append(f"geomean speedup over SGLang on {len(result['cases'])} cases: {result['geomean_speedup_vs_sglang']:.2f}x")
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@ Exit codes: 0 success / within tolerance, 1 outside tolerance, 2 bad input (one 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from functools import wraps
 from pathlib import Path
@@ -250,6 +251,9 @@ def bench(
     out: Path = typer.Option(Path("bench-out"), "--out", "-o", help="folder for bench.json and bench.png"),
     case: Optional[List[str]] = typer.Option(None, help="only cases whose name contains this (repeatable)"),
     no_sglang: bool = typer.Option(False, "--no-sglang", help="skip SGLang's Triton kernel even if importable"),
+    target: Optional[str] = typer.Option(
+        None, "--target", help="run the configuration another target would run (e.g. sm_120), where it fits"
+    ),
     sglang_backend: bool = typer.Option(
         False,
         "--sglang",
@@ -264,6 +268,12 @@ def bench(
 
     if not gpu_available():
         _fail("kdtree bench needs a CUDA GPU and CuPy (pip install -e '.[cuda13]')")
+    if target is not None:
+        from kdtree.kernel import ARCH_LIMITS
+
+        if target not in ARCH_LIMITS:
+            _fail(f"--target: unknown target {target!r}; expected one of {' '.join(ARCH_LIMITS)}")
+        os.environ["KDTREE_KERNEL_TARGET"] = target  # read when the kernel is built (kdtree.kernel.target_arch)
     if sglang_backend:
         import importlib.util
 
@@ -278,9 +288,9 @@ def bench(
         sb.save(result, out / "bench-sglang.json")
         typer.echo(f"wrote {out / 'bench-sglang.json'}")
         return
-    cases = b.select_cases(case) if case else list(b.CASES)
+    cases = b.select_cases(case) if case else list(b.ALL_CASES)
     if not cases:
-        _fail(f"--case matches none of: {', '.join(c.name for c in b.CASES)}")
+        _fail(f"--case matches none of: {', '.join(c.name for c in b.ALL_CASES)}")
     result = b.run(cases, with_sglang=not no_sglang, log=typer.echo)
     js, png = b.save(result, out)
     typer.echo(b.summary_table(result))

@@ -1,6 +1,7 @@
 import json
 
 import numpy as np
+import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -35,3 +36,22 @@ def test_sglang_bench_figure_from_a_measured_result():
     assert len(left.patches) == 4 * len(result["cases"]) and len(right.patches) == 2 * len(result["cases"])
     heights = sorted(round(p.get_height(), 6) for p in right.patches)
     assert heights == sorted(round(c["speedup"][m], 6) for c in result["cases"] for m in ("eager", "graph"))
+
+
+def test_bench_summary_reports_fractions_of_every_ceiling_and_the_geomean():
+    from kdtree.bench import ALL_CASES, ceiling_fractions, geomean, summary_table
+
+    assert geomean([2.0, 8.0, None]) == pytest.approx(4.0) and geomean([None]) is None
+    ceilings = {"matmul_bf16_tflops": 800.0, "copy_tbps": 4.0, "mma_sync_raw_tflops": 600.0, "mma_sync_ldmatrix_tflops": 400.0}
+    assert ceiling_fractions(200.0, ceilings) == {"matmul_bf16": 0.25, "mma_sync_raw": 200 / 600, "mma_sync_ldmatrix": 0.5}
+    assert ceiling_fractions(200.0, {"matmul_bf16_tflops": 800.0}) == {"matmul_bf16": 0.25}
+    result = json.loads((ROOT / "docs/bench/v13-h200.json").read_text())
+    result["geomean_speedup_vs_sglang"] = geomean([c["impls"]["kdtree"]["speedup_vs_sglang"] for c in result["cases"]])
+    speedups = np.array([c["impls"]["kdtree"]["speedup_vs_sglang"] for c in result["cases"]])
+    want = float(np.exp(np.log(speedups).mean()))  # 11.36 for v13 on the H200
+    assert summary_table(result).splitlines()[-1] == f"geomean speedup over SGLang on 8 cases: {want:.2f}x"
+    # the four shapes beside the eight; N 1 is a one-token chain, not a DDTree of budget 0
+    names = [c.name for c in ALL_CASES]
+    assert len(names) == len(set(names)) == 12
+    n1 = next(c for c in ALL_CASES if c.num_draft == 1).spec().resolved()
+    assert n1.tree == "chain" and n1.num_draft_tokens == 1 and n1.batch_size == 64

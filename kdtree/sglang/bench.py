@@ -25,11 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kdtree.bench import CASES as KERNEL_CASES
+from kdtree.bench import ALL_CASES as KERNEL_CASES
 from kdtree.presets import get_preset
 from kdtree.trees import make_tree
-
-KIMI_SCALING = 0.130861
 
 
 @dataclass(frozen=True)
@@ -44,7 +42,7 @@ class ServingCase:
 CASES = [
     ServingCase(c.name, get_preset(c.preset).num_heads, c.prefix_lens, c.num_draft, get_preset(c.preset).sm_scale)
     for c in KERNEL_CASES
-] + [ServingCase("kimi-tp8 64 x N1 4k", 8, (4096,) * 64, 1, KIMI_SCALING)]
+]
 
 
 def _host_us(fn, reps: int = 200) -> float:
