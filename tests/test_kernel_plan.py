@@ -190,14 +190,14 @@ def test_few_row_tiles_are_planned_cheaper_where_the_kernel_runs_them():
 
 def test_bench_case_selection():
     """Substrings pick bench cases; probe cases (experiments only) come only by exact name and on request."""
-    from kdtree.bench import CASES, PROBE_CASES, select_cases
+    from kdtree.bench import ALL_CASES, PROBE_CASES, select_cases
 
     assert [c.name for c in select_cases(["small tree"])] == ["kimi-tp8 small tree"]
     assert [c.name for c in select_cases(["small tree", "small tree N8"], probes=True)] == [
         "kimi-tp8 small tree",
         "small tree N8",
     ]
-    assert select_cases(["small tree N8"]) == [] and select_cases(["8k"]) == [c for c in CASES if "8k" in c.name]
+    assert select_cases(["small tree N8"]) == [] and select_cases(["8k"]) == [c for c in ALL_CASES if "8k" in c.name]
     assert {c.num_draft * 8 for c in PROBE_CASES} == {16, 64, 72, 128}  # rows a request at H 8
 
 
