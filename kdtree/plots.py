@@ -11,6 +11,17 @@ from matplotlib.patches import Patch
 IMPL_COLORS = {"kdtree": "#1f77b4", "sglang": "#d62728", "torch": "#7f7f7f"}
 
 
+def _finish_case_figure(fig: Figure, axes, names: list[str], title: str) -> Figure:
+    """One tick a bench case under each axis, the legends, the title."""
+    for a in axes:
+        a.set_xticks(np.arange(len(names)))
+        a.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+        a.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def bench_figure(result: dict) -> Figure:
     """Left: time per case for each implementation, with the roofline floor. Right: achieved TFLOP/s
     against the measured matmul ceiling."""
@@ -34,13 +45,7 @@ def bench_figure(result: dict) -> Figure:
     ax2.axhline(ceiling, color="black", ls="--", lw=1, label=f"bf16 matmul ceiling {ceiling:.0f}")
     ax2.set_ylabel("TFLOP/s (dense count)")
     ax2.set_title("achieved rate")
-    for a in (ax, ax2):
-        a.set_xticks(x)
-        a.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
-        a.legend(fontsize=8)
-    fig.suptitle(f"{result['device']} - {result.get('sglang', '')[:80]}", fontsize=9)
-    fig.tight_layout()
-    return fig
+    return _finish_case_figure(fig, (ax, ax2), names, f"{result['device']} - {result.get('sglang', '')[:80]}")
 
 
 def sglang_bench_figure(result: dict) -> Figure:
@@ -84,13 +89,7 @@ def sglang_bench_figure(result: dict) -> Figure:
     ax2.set_ylabel("Triton backend time / kdtree backend time")
     ax2.set_yscale("log")
     ax2.set_title("speedup over SGLang's Triton backend")
-    for a in (ax, ax2):
-        a.set_xticks(x)
-        a.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
-        a.legend(fontsize=8)
-    fig.suptitle(f"{result['device']} - SGLang {result.get('sglang', '?')}", fontsize=9)
-    fig.tight_layout()
-    return fig
+    return _finish_case_figure(fig, (ax, ax2), names, f"{result['device']} - SGLang {result.get('sglang', '?')}")
 
 
 # ----- masks ---------------------------------------------------------------------------------------
