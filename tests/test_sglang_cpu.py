@@ -219,3 +219,42 @@ def test_the_runner_prepares_once_per_step_object_and_again_for_a_capture(monkey
     runner.run(captured, q, pool, o, sm_scale=1.0, logit_cap=0.0)
     assert len(path.prepared) == 3 and path.launched == 6
     assert path.prepared[0]["num_heads"] == cap.meta.num_heads and path.prepared[0]["batch_size"] == cap.batch_size
+
+
+def test_padded_rows_as_sglang_pads_them_leave_the_real_rows_alone():
+    """SGLang pads a replayed batch to the graph's size with scratch rows (its kit's prod_fill: prefix length =
+    the fill value 1, req_pool_indices 0, out_cache_loc 0; the mask buffer past the real rows is stale): the
+    marshaling of the real rows is unchanged and the padded rows stay inside the buffers."""
+    from kdtree.device_plan import PlanShape, plan_on_device
+    from kdtree.kernel import KernelConfig
+
+    cap = load(next(p for p in SHIPPED if p.stem == "sglang-ddtree17"))
+    real, pad, n = cap.batch_size, 3, int(cap.num_draft[0])
+    bs = real + pad
+    prefix = cap.prefix_lens.tolist() + [1] * pad
+    kv_indptr = torch.tensor([0] + prefix).cumsum(0).to(torch.int32)
+    kv_indices = torch.cat([cap.kv_indices, cap.kv_indices[:pad]])  # request 0's first slots (req_pool_indices 0)
+    mask_indptr = torch.tensor([0] + [n * (p + n) for p in prefix]).cumsum(0)
+    stale = torch.randint(0, 2, (int(mask_indptr[-1]) - cap.custom_mask.numel() + 100,), dtype=torch.uint8)
+    batch = VerifyBatch(
+        step=0,
+        qo_indptr=torch.arange(bs + 1, dtype=torch.int32) * n,
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+        out_cache_loc=torch.cat([cap.out_cache_loc, torch.zeros(pad * n, dtype=cap.out_cache_loc.dtype)]),
+        custom_mask=torch.cat([cap.custom_mask.to(torch.uint8), stale]),
+        mask_indptr=mask_indptr,
+        batch_size=bs,
+        num_draft=n,
+        kv_capacity=int(kv_indptr[-1]) + bs * n,
+    )
+    got, want = batch.marshal(cap.meta.sm_scale, 0.0), marshal(cap)
+    T, total = cap.num_tokens, int(want.combined_kv_indptr[-1])
+    assert torch.equal(got.combined_kv_indptr[: real + 1], want.combined_kv_indptr)
+    assert torch.equal(got.combined_kv_indices[:total], want.combined_kv_indices)
+    assert torch.equal(got.tree_mask[:T], want.tree_mask) and torch.equal(got.prefix_lens[:real], want.prefix_lens)
+    pool_rows = cap.meta.pool_size + cap.meta.page_size
+    assert int(got.combined_kv_indices.max()) < pool_rows and int(got.combined_kv_indices.min()) >= 0
+    shape = PlanShape(bs, n, cap.meta.num_heads, KernelConfig.for_arch("sm_90"), 132)
+    p = plan_on_device(got.qo_indptr, got.combined_kv_indptr, shape, mask_words=got.tree_mask.shape[1])
+    assert int(p.arrays["rt_unit_start"][-1]) == int(p.arrays["cta_unit_start"][-1])  # every unit, padded rows too
