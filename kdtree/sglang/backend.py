@@ -77,12 +77,14 @@ class KdtreeAttnBackend(TritonAttnBackend):
 
     def on_after_cuda_graph_warmup(self):
         super().on_after_cuda_graph_warmup()
-        self._batch = None  # the capture that follows marshals and plans inside the graph
+        self._forget_step()  # the capture that follows marshals and plans inside the graph
+
+    def _forget_step(self) -> None:
+        self._batch = None
         self.runner.new_step()
 
     def _new_step(self, forward_batch) -> None:
-        self._batch = None
-        self.runner.new_step()
+        self._forget_step()
         if forward_batch.forward_mode.is_target_verify():
             self.verify_step += 1
 

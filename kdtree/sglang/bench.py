@@ -71,29 +71,15 @@ def _graph_ms(fn, do_bench) -> float:
 def run_case(case: ServingCase, do_bench) -> dict:
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-    from sglang.test.kits.attention_unittest.attention_methods.mla_attention import build_mla_attention_fixture
-    from sglang.test.kits.attention_unittest.runner_modes.speculative_target_verify_runner import (
-        _make_spec_verify_input,
-        _prepare_target_verify_batch,
-    )
 
     from kdtree.sglang import kit
 
     bs, n, H = len(case.prefix_lens), case.num_draft, case.num_heads
     vcase = kit.verify_case(case.name.replace(" ", "_"), "kdtree", case.prefix_lens, n, H)
-    ctx = max(case.prefix_lens) + n + 8
-    fixture = build_mla_attention_fixture(
-        kit.KitTestCase(), vcase, max_context_len=ctx, disable_cuda_graph=False, runner_batch_size=bs, **kit.MLA_DIMS
-    )
-    backend, fb, layer = fixture.backend, fixture.forward_batch, fixture.actual_module.attn_mqa
-    layer.scaling = case.scaling
-    _prepare_target_verify_batch(fb, vcase, "cuda")
-    spec = _make_spec_verify_input(vcase, fb, topk=1, device="cuda", spec_kind="eagle")
     rng = np.random.default_rng(0)
-    _, spec.custom_mask = kit.masks_for(
-        [make_tree("ddtree", n, rng) if n > 1 else np.array([-1]) for _ in range(bs)], case.prefix_lens
-    )
-    fb.spec_info = spec
+    trees = [make_tree("ddtree", n, rng) if n > 1 else np.array([-1]) for _ in range(bs)]
+    fixture, _ = kit.verify_fixture(vcase, trees, scaling=case.scaling, disable_cuda_graph=False, runner_batch_size=bs)
+    backend, fb, layer = fixture.backend, fixture.forward_batch, fixture.actual_module.attn_mqa
     pool = backend.token_to_kv_pool.get_key_buffer(0)
     pool.copy_(torch.randn_like(pool, dtype=torch.float32).to(pool.dtype))
     q = torch.randn(bs * n, H * 576, device="cuda").to(torch.bfloat16)

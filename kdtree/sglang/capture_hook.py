@@ -18,7 +18,7 @@ from kdtree.sglang import log
 from kdtree.sglang.verify import VerifyBatch
 
 
-def full_mask(batch: VerifyBatch) -> torch.Tensor:
+def full_mask(batch: VerifyBatch, prefix_lens: list[int]) -> torch.Tensor:
     """The flat custom mask ([N, prefix_len + N] rows per request) on the host; SGLang's when it passed one,
     else the causal chain it means by none."""
     end = int(batch.mask_indptr[batch.batch_size])
@@ -26,7 +26,7 @@ def full_mask(batch: VerifyBatch) -> torch.Tensor:
         return batch.custom_mask[:end].cpu().bool()
     n = batch.num_draft
     chain = torch.tril(torch.ones(n, n, dtype=torch.bool))
-    return torch.cat([torch.cat([torch.ones(n, p, dtype=torch.bool), chain], 1).flatten() for p in batch.prefix_lens()])
+    return torch.cat([torch.cat([torch.ones(n, p, dtype=torch.bool), chain], 1).flatten() for p in prefix_lens])
 
 
 def capture_tensors(batch: VerifyBatch, layer_id: int, q: torch.Tensor, o: torch.Tensor, kv_buffer: torch.Tensor) -> dict:
@@ -44,7 +44,7 @@ def capture_tensors(batch: VerifyBatch, layer_id: int, q: torch.Tensor, o: torch
         "kv_indptr": batch.kv_indptr[: bs + 1].cpu().to(torch.int32),
         "kv_indices": kv_indices.cpu(),
         "out_cache_loc": out_cache_loc.cpu(),
-        "custom_mask": full_mask(batch),
+        "custom_mask": full_mask(batch, prefix),
         "mask_indptr": batch.mask_indptr[: bs + 1].cpu().long(),
         "seq_lens": torch.tensor(prefix, dtype=torch.int32),
         "kv_buffer_slots": slots.cpu(),

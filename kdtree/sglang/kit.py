@@ -76,6 +76,25 @@ class KitRun:
     attn: dict  # attention outputs [T, H * 512] of the layer's forward_extend: "backend", and "triton" if asked
 
 
+def verify_fixture(
+    case: MLAAttentionCase, parents_by_req, *, scaling: float | None = None, max_context_len: int | None = None, **fixture_kw
+):
+    """(the kit's MLA fixture for `case` at 512/64/bf16, its ForwardBatch prepared for target verify with an
+    EagleVerifyInput over the given trees, the per-request masks). `scaling` overrides the layer's softmax scale
+    (the kit's is 576**-0.5; Kimi K2's is 0.130861); `fixture_kw` go to the kit's fixture builder."""
+    ctx = max_context_len or (max(case.seq_lens) + 8)
+    fixture = build_mla_attention_fixture(KitTestCase(), case, max_context_len=ctx, **MLA_DIMS, **fixture_kw)
+    if scaling is not None:
+        fixture.actual_module.attn_mqa.scaling = scaling
+        fixture.reference_module.scaling = scaling
+    batch = fixture.forward_batch
+    _prepare_target_verify_batch(batch, case, "cuda")
+    spec = _make_spec_verify_input(case, batch, topk=1, device="cuda", spec_kind="eagle")
+    masks, spec.custom_mask = masks_for(parents_by_req, case.prefix_lens)
+    batch.spec_info = spec
+    return fixture, masks
+
+
 def run_verify(
     case: MLAAttentionCase,
     parents_by_req,
@@ -85,22 +104,11 @@ def run_verify(
     max_context_len: int | None = None,
     steps: int = 1,
 ) -> KitRun:
-    """One target-verify forward of the kit's MLA module with `case.backend`, over the given trees.
-
-    `scaling` overrides the layer's softmax scale (the kit's is 576**-0.5; Kimi K2's is 0.130861); `with_triton`
-    also runs SGLang's Triton `forward_extend` on the same call's inputs and metadata; `steps` repeats the
-    forward (a new verify step each time: metadata rebuilt, same tensors)."""
-    tc = KitTestCase()
-    ctx = max_context_len or (max(case.seq_lens) + 8)
-    fixture = build_mla_attention_fixture(tc, case, max_context_len=ctx, **MLA_DIMS)
-    if scaling is not None:
-        fixture.actual_module.attn_mqa.scaling = scaling
-        fixture.reference_module.scaling = scaling
+    """One target-verify forward of the kit's MLA module with `case.backend`, over the given trees
+    (`verify_fixture`). `with_triton` also runs SGLang's Triton `forward_extend` on the same call's inputs and
+    metadata; `steps` repeats the forward (a new verify step each time: metadata rebuilt, same tensors)."""
+    fixture, masks = verify_fixture(case, parents_by_req, scaling=scaling, max_context_len=max_context_len)
     batch = fixture.forward_batch
-    _prepare_target_verify_batch(batch, case, "cuda")
-    spec = _make_spec_verify_input(case, batch, topk=1, device="cuda", spec_kind="eagle")
-    masks, spec.custom_mask = masks_for(parents_by_req, case.prefix_lens)
-    batch.spec_info = spec
     inputs = mla_fixture_inputs(fixture)
     expected = mla_attention_reference_with_custom_mask(
         fixture.reference_module, case, inputs["prefix_hidden"], inputs["input_hidden"], masks
