@@ -1,7 +1,9 @@
 """SGLang's TARGET_VERIFY metadata tensors -> the verify kernel's arguments, in torch ops on the tensors' own
 device (the serving path: no per-request Python loop, no copy of the metadata to the host).
 
-It computes what `kdtree.marshal` computes step by step - the combined slot list `kv_indices[prefix of b] ++
+`marshal_tensors` reads the Triton backend's CSR metadata; `marshal_from_table` reads SGLang's page table
+(`req_to_token` rows of `req_pool_indices`, `seq_lens`) as the kdtree backend's own metadata hook does
+(`kernels/verify_mla_marshal.cu`, `verify_mla_marshal_table_*`). Both compute what `kdtree.marshal` computes step by step - the combined slot list `kv_indices[prefix of b] ++
 out_cache_loc[drafts of b]` and the draft block of `custom_mask` (row stride `prefix_len + N`) packed to bits -
 and gives the same bits (tested on every shipped capture and on fuzz batches). `kdtree.marshal` stays the
 readable path the notebooks step through.
@@ -91,4 +93,54 @@ def marshal_tensors(
         max_kv_len=int(max_prefix_len + max_num_draft),
         sm_scale=float(sm_scale),
         logit_cap=float(logit_cap),
+    )
+
+
+def table_metadata(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, num_draft: int, prefix_total: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qo_indptr, kv_indptr, kv_indices, mask_indptr) the Triton backend builds for TARGET_VERIFY from SGLang's
+    page table: kv_indices = req_to_token[req_pool_indices[b], :seq_lens[b]] concatenated, one mask row of
+    seq_lens + N per draft token."""
+    dev, bs, n = seq_lens.device, seq_lens.numel(), int(num_draft)
+    lens = seq_lens.long()
+    zero = lens.new_zeros(1)
+    kv_indptr = torch.cat([zero, torch.cumsum(lens, 0)])
+    qo_indptr = torch.arange(bs + 1, device=dev, dtype=torch.int64) * n
+    mask_indptr = torch.cat([zero, torch.cumsum(n * (lens + n), 0)])
+    j = torch.arange(prefix_total, device=dev)
+    j_req = torch.searchsorted(kv_indptr[1:], j, right=True)
+    kv_indices = req_to_token[req_pool_indices.long()[j_req], j - kv_indptr[j_req]]
+    return qo_indptr, kv_indptr, kv_indices, mask_indptr
+
+
+def marshal_from_table(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    custom_mask: torch.Tensor | None,
+    *,
+    num_draft: int,
+    prefix_total: int,
+    max_prefix_len: int,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+) -> VerifyArgs:
+    """The kernel's arguments from SGLang's page table (`seq_lens` [bs]: prefix lengths, TARGET_VERIFY's),
+    N draft tokens a request; `prefix_total` = sum(seq_lens) and `max_prefix_len` are host integers."""
+    qo, kvp, kv_indices, mask_indptr = table_metadata(req_to_token, req_pool_indices, seq_lens, num_draft, prefix_total)
+    return marshal_tensors(
+        qo,
+        kvp,
+        kv_indices,
+        out_cache_loc,
+        custom_mask,
+        mask_indptr,
+        num_tokens=seq_lens.numel() * int(num_draft),
+        prefix_total=prefix_total,
+        max_prefix_len=max_prefix_len,
+        max_num_draft=num_draft,
+        sm_scale=sm_scale,
+        logit_cap=logit_cap,
     )

@@ -50,7 +50,8 @@ def bench_figure(result: dict) -> Figure:
 
 def sglang_bench_figure(result: dict) -> Figure:
     """`kdtree bench --sglang`: left, one verify layer's GPU time, kdtree's and Triton's backend, eager and
-    replayed from CUDA graphs; right, the speedups, with the 5x bar."""
+    replayed from CUDA graphs; middle, the speedups, with the 5x bar; right, the host time per step outside the
+    kernels (eager, and before a graph replay), with the 100 us bar."""
     cases = [c for c in result["cases"] if "layer_ms" in c]
     names = [c["name"] for c in cases]
     x = np.arange(len(cases))
@@ -60,8 +61,8 @@ def sglang_bench_figure(result: dict) -> Figure:
         ("kdtree", "kdtree eager"),
         ("kdtree_graph", "kdtree graph"),
     ]
-    fig = Figure(figsize=(13, 4.8))
-    ax, ax2 = fig.subplots(1, 2)
+    fig = Figure(figsize=(19, 4.8))
+    ax, ax2, ax3 = fig.subplots(1, 3)
     w = 0.8 / len(series)
     for k, (key, label) in enumerate(series):
         color = IMPL_COLORS.get("kdtree" if key.startswith("kdtree") else "sglang")
@@ -89,7 +90,27 @@ def sglang_bench_figure(result: dict) -> Figure:
     ax2.set_ylabel("Triton backend time / kdtree backend time")
     ax2.set_yscale("log")
     ax2.set_title("speedup over SGLang's Triton backend")
-    return _finish_case_figure(fig, (ax, ax2), names, f"{result['device']} - SGLang {result.get('sglang', '?')}")
+    host = [
+        ("kdtree_step", "kdtree eager step"),
+        ("triton_metadata", "Triton eager metadata"),
+        ("out_graph_kdtree", "kdtree before a replay"),
+        ("out_graph_triton", "Triton before a replay"),
+    ]
+    w3 = 0.8 / len(host)
+    for k, (key, label) in enumerate(host):
+        ax3.bar(
+            x + (k - 1.5) * w3,
+            [c["host_us"].get(key, np.nan) for c in cases],
+            w3,
+            label=label,
+            color=IMPL_COLORS.get("kdtree" if key.endswith("kdtree") or key.startswith("kdtree") else "sglang"),
+            alpha=1.0 if key.startswith("out_graph") else 0.5,
+        )
+    ax3.axhline(100, color="black", ls="--", lw=1, label="100 us")
+    ax3.set_yscale("log")
+    ax3.set_ylabel("host us per verify step (median)")
+    ax3.set_title("host work outside the kernels, per step")
+    return _finish_case_figure(fig, (ax, ax2, ax3), names, f"{result['device']} - SGLang {result.get('sglang', '?')}")
 
 
 # ----- masks ---------------------------------------------------------------------------------------

@@ -6,11 +6,18 @@ Per step, `ServingPath.prepare` launches the marshal kernel (`kernels/verify_mla
 list and the packed tree bits, what `kdtree.marshal` computes) and plans on the GPU (`kdtree.device_plan`);
 per layer, `launch` runs the verify kernel on that plan. One configuration (the target's default) and a fixed
 grid of one block per SM slot, so an eager step and its graph replay run the same plan and give the same bits.
+
+Two metadata sources: `prepare` reads the Triton backend's CSR metadata (kv_indptr, kv_indices, mask_indptr);
+`prepare_table` reads SGLang's page table (req_to_token rows, seq_lens) and needs no Triton metadata at all,
+which is what keeps a step's host work to a few launches. Outside a CUDA-graph capture the plan's ~30 torch
+ops are replayed from a small graph per plan shape (`PlanGraph`, captured on a shape's first step), so an
+eager step's host cost does not grow with the op count either; inside a capture they are recorded as they are.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +30,11 @@ from kdtree.marshal import VerifyArgs
 MARSHAL_SOURCE = KERNEL_DIR / "verify_mla_marshal.cu"
 MARSHAL_THREADS = 256
 MARSHAL_BLOCKS_Y = 8  # blocks per request (a 128k prefix: 64 slots a thread)
+PLAN_GRAPHS = 64  # plan shapes kept (batch size x N x heads), least recently used dropped
+
+
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
 
 
 @dataclass
@@ -32,6 +44,33 @@ class PreparedStep:
     args: VerifyArgs
     plan: LaunchPlan
     workspace: Workspace
+
+
+class PlanGraph:
+    """`plan_on_device` for one `PlanShape`, captured once as a CUDA graph: its inputs (`qo_indptr`,
+    `combined_kv_indptr`, int32 [bs + 1]) and the plan's arrays are the graph's own buffers; the marshal kernel
+    writes the inputs, `replay` refreshes the arrays. Steps run in stream order, so one graph serves every step
+    of its shape."""
+
+    def __init__(self, shape: PlanShape, mask_words: int, device):
+        bs = shape.batch_size
+        self.qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
+        self.combined_kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
+        self.graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            plan_on_device(self.qo_indptr, self.combined_kv_indptr, shape, mask_words=mask_words)  # warm-up
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.plan = plan_on_device(self.qo_indptr, self.combined_kv_indptr, shape, mask_words=mask_words)
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+    def replay(self) -> LaunchPlan:
+        self.graph.replay()
+        return self.plan
 
 
 class ServingPath:
@@ -49,6 +88,38 @@ class ServingPath:
             torch.int64: module.get_function("verify_mla_marshal_i64"),
             torch.int32: module.get_function("verify_mla_marshal_i32"),
         }
+        self._marshal_table = {
+            torch.int32: module.get_function("verify_mla_marshal_table_i32"),
+            torch.int64: module.get_function("verify_mla_marshal_table_i64"),
+        }
+        self.plan_graphs: OrderedDict[tuple, PlanGraph] = OrderedDict()
+        self.use_plan_graphs = True
+        self._workspace: dict = {}  # eager steps' shared partials, by device
+
+    def _plan_inputs(self, shape: PlanShape, words: int, dev) -> tuple[PlanGraph | None, torch.Tensor, torch.Tensor]:
+        """(the shape's plan graph or None, qo_indptr and combined_kv_indptr buffers the marshal kernel fills)."""
+        bs = shape.batch_size
+        if self.use_plan_graphs and not torch.cuda.is_current_stream_capturing():
+            key = (shape, words, str(dev))
+            graph = self.plan_graphs.pop(key, None) or PlanGraph(shape, words, dev)
+            self.plan_graphs[key] = graph
+            while len(self.plan_graphs) > PLAN_GRAPHS:
+                self.plan_graphs.popitem(last=False)
+            return graph, graph.qo_indptr, graph.combined_kv_indptr
+        new = lambda: torch.empty(bs + 1, dtype=torch.int32, device=dev)  # noqa: E731
+        return None, new(), new()
+
+    def _plan(
+        self, graph: PlanGraph | None, qo, combined_indptr, shape: PlanShape, words: int, dev
+    ) -> tuple[LaunchPlan, Workspace]:
+        if graph is None:  # inside a capture: recorded into the server's graph, with a workspace of its own
+            plan = plan_on_device(qo, combined_indptr, shape, mask_words=words)
+            return plan, Workspace.for_plan(plan, dev)
+        plan = graph.replay()
+        key = str(dev)
+        if key not in self._workspace:
+            self._workspace[key] = Workspace.for_plan(plan, dev, row_tiles=1)
+        return plan, self._workspace[key]
 
     def prepare(
         self,
@@ -69,50 +140,107 @@ class ServingPath:
         combined slot list."""
         dev, bs, n = qo_indptr.device, batch_size, num_draft
         words = (n + 31) // 32
-        qo = qo_indptr[: bs + 1].to(torch.int32)
+        shape = PlanShape(bs, n, num_heads, self.config, self.grid)
+        graph, qo, combined_indptr = self._plan_inputs(shape, words, dev)
+        qo.copy_(qo_indptr[: bs + 1])
         kvp = kv_indptr[: bs + 1].to(torch.int32)
-        combined_indptr = torch.empty(bs + 1, dtype=torch.int32, device=dev)
-        combined = torch.empty(kv_capacity, dtype=torch.int32, device=dev)
-        prefix_lens = torch.empty(bs, dtype=torch.int32, device=dev)
-        tree_mask = torch.empty(bs * n, words, dtype=torch.int32, device=dev)
+        combined, prefix_lens, tree_mask = self._outputs(bs, n, words, kv_capacity, dev)
         indices = kv_indices if kv_indices.dtype in self._marshal else kv_indices.to(torch.int64)
-        loc = out_cache_loc.to(torch.int64)
         mask = None if custom_mask is None else custom_mask.view(torch.uint8)
         mask_ptr = mask_indptr[: bs + 1].to(torch.int64)
-        ptr = lambda t: np.uint64(0 if t is None else t.data_ptr())  # noqa: E731
         with self.kernel.cupy_stream(torch.cuda.current_stream()):
             self._marshal[indices.dtype](
                 (bs, MARSHAL_BLOCKS_Y, 1),
                 (MARSHAL_THREADS, 1, 1),
                 (
-                    ptr(qo),
-                    ptr(kvp),
-                    ptr(indices),
-                    ptr(loc),
-                    ptr(mask),
-                    ptr(mask_ptr),
+                    _ptr(qo),
+                    _ptr(kvp),
+                    _ptr(indices),
+                    _ptr(out_cache_loc.to(torch.int64)),
+                    _ptr(mask),
+                    _ptr(mask_ptr),
                     np.int32(words),
-                    ptr(combined_indptr),
-                    ptr(combined),
-                    ptr(prefix_lens),
-                    ptr(tree_mask),
+                    _ptr(combined_indptr),
+                    _ptr(combined),
+                    _ptr(prefix_lens),
+                    _ptr(tree_mask),
                     np.int32(bs),
                 ),
             )
+        return self._prepared(graph, qo, combined_indptr, combined, prefix_lens, tree_mask, shape, words, kv_capacity, dev)
+
+    def prepare_table(
+        self,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        custom_mask: torch.Tensor | None,
+        *,
+        batch_size: int,
+        num_draft: int,
+        num_heads: int,
+        kv_capacity: int,
+    ) -> PreparedStep:
+        """Marshal and plan one step from SGLang's page table: request b's prefix slots are
+        req_to_token[req_pool_indices[b], :seq_lens[b]] (TARGET_VERIFY's seq_lens: the prefix lengths), its N
+        drafts' out_cache_loc follow; custom_mask has SGLang's layout (N rows of seq_lens + N a request).
+        Device work only (graph-capturable); buffers may be longer than the batch."""
+        dev, bs, n = seq_lens.device, batch_size, num_draft
+        words = (n + 31) // 32
+        shape = PlanShape(bs, n, num_heads, self.config, self.grid)
+        graph, qo, combined_indptr = self._plan_inputs(shape, words, dev)
+        combined, prefix_lens, tree_mask = self._outputs(bs, n, words, kv_capacity, dev)
+        table = req_to_token if req_to_token.dtype in self._marshal_table else req_to_token.to(torch.int32)
+        mask = None if custom_mask is None else custom_mask.view(torch.uint8)
+        long = lambda t: t if t.dtype == torch.int64 else t.to(torch.int64)  # noqa: E731
+        with self.kernel.cupy_stream(torch.cuda.current_stream()):
+            self._marshal_table[table.dtype](
+                (bs, MARSHAL_BLOCKS_Y, 1),
+                (MARSHAL_THREADS, 1, 1),
+                (
+                    _ptr(table),
+                    np.int64(table.stride(0)),
+                    _ptr(long(req_pool_indices)),
+                    _ptr(long(seq_lens)),
+                    _ptr(long(out_cache_loc)),
+                    _ptr(mask),
+                    np.int64(0 if mask is None else mask.numel()),
+                    np.int32(n),
+                    np.int32(words),
+                    _ptr(qo),
+                    _ptr(combined_indptr),
+                    _ptr(combined),
+                    _ptr(prefix_lens),
+                    _ptr(tree_mask),
+                    np.int32(bs),
+                ),
+            )
+        return self._prepared(graph, qo, combined_indptr, combined, prefix_lens, tree_mask, shape, words, kv_capacity, dev)
+
+    @staticmethod
+    def _outputs(bs: int, n: int, words: int, kv_capacity: int, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The marshal kernel's per-step outputs: combined slot list, prefix lengths, packed tree bits."""
+        return (
+            torch.empty(kv_capacity, dtype=torch.int32, device=dev),
+            torch.empty(bs, dtype=torch.int32, device=dev),
+            torch.empty(bs * n, words, dtype=torch.int32, device=dev),
+        )
+
+    def _prepared(self, graph, qo, combined_indptr, combined, prefix_lens, tree_mask, shape, words, kv_capacity, dev):
         args = VerifyArgs(
             qo_indptr=qo,
             combined_kv_indptr=combined_indptr,
             combined_kv_indices=combined,
             prefix_lens=prefix_lens,
             tree_mask=tree_mask,
-            max_num_draft=n,
+            max_num_draft=shape.num_draft,
             max_kv_len=kv_capacity,
             sm_scale=1.0,
             logit_cap=0.0,
         )
-        shape = PlanShape(bs, n, num_heads, self.config, self.grid)
-        plan = plan_on_device(qo, combined_indptr, shape, mask_words=words)
-        return PreparedStep(args, plan, Workspace.for_plan(plan, dev))
+        plan, workspace = self._plan(graph, qo, combined_indptr, shape, words, dev)
+        return PreparedStep(args, plan, workspace)
 
     def launch(
         self,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
-# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|quick|test|bench|variants|notebooks|sglang|sglang-captures|all] ...
+# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-ref|variants|notebooks|sglang|sglang-captures|sglang-bench|all] ...
+# (bench-ref: the kernel of an earlier commit, `git archive <commit> kdtree kernels` unpacked in ref-<commit>/, carried)
 # (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;
 #  quick: the shipped captures, the fused merge and determinism tests only)
 set -uo pipefail
@@ -28,7 +29,10 @@ for w in "$@"; do
            step bench 360 python3 -m kdtree bench -o "$OUT" ;;
     quick) step diff 120 python3 -m kdtree diff data/captured_batches/*.safetensors --impl cuda
            step quick 240 python3 -m pytest -q -x tests/test_kernel_gpu.py -k "fused or shipped or shared_memory or deterministic" ;;
-    bench) step bench 180 python3 -m kdtree bench -o "$OUT" ;;
+    bench) step bench 240 python3 -m kdtree bench -o "$OUT" ;;
+    bench-sm120) step bench-sm120 240 python3 -m kdtree bench -o "$OUT/sm120" --target sm_120 ;;
+    bench-ref) ref=$(ls -d ref-*/ 2>/dev/null | head -n 1)  # an earlier commit's kdtree/ and kernels/ (git archive), carried
+               [ -n "$ref" ] && step bench-ref 240 env PYTHONPATH="$PWD/${ref%/}:$PYTHONPATH" python3 -m kdtree bench -o "$OUT/ref" --no-sglang ;;
     test) step test-gpu 480 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
     variants) step variants 300 python3 scripts/variants.py ;;
     notebooks) step notebooks 420 python3 -m pytest -q -rs tests/test_notebooks.py ;;

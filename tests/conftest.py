@@ -21,6 +21,34 @@ def small(**kw):
     return synthesize(SynthSpec(**base))
 
 
+def table_of(cap, *, width_pad: int = 5, seed: int = 0, mask_dtype=None, table_dtype=torch.int32):
+    """A capture's metadata as SGLang's `ForwardBatch` holds it: each request's prefix slots in a row of a
+    `req_to_token` table (rows shuffled, wider than any prefix, unused cells garbage), `seq_lens` the prefix
+    lengths, `custom_mask` flat with N rows of prefix + N a request."""
+    g = torch.Generator().manual_seed(seed)
+    bs = cap.batch_size
+    prefix = (cap.kv_indptr[1:] - cap.kv_indptr[:-1]).long()
+    width = int(prefix.max()) + width_pad
+    rows = torch.randperm(bs + 3, generator=g)[:bs]
+    table = torch.randint(0, 1 << 20, (bs + 3, width), generator=g).to(table_dtype)
+    for b in range(bs):
+        p0 = int(cap.kv_indptr[b])
+        table[rows[b], : int(prefix[b])] = cap.kv_indices[p0 : p0 + int(prefix[b])].to(table_dtype)
+    from kdtree.sglang.verify import TableBatch
+
+    return TableBatch(
+        step=0,
+        req_to_token=table,
+        req_pool_indices=rows.long(),
+        seq_lens=prefix,
+        out_cache_loc=cap.out_cache_loc.long(),
+        custom_mask=cap.custom_mask.to(mask_dtype or cap.custom_mask.dtype),
+        batch_size=bs,
+        num_draft=int(cap.num_draft.max()),
+        kv_capacity=int(cap.kv_indptr[-1]) + cap.num_tokens,
+    )
+
+
 def write_raw(path: Path, tensors: dict[str, torch.Tensor], meta: CaptureMeta, version: int = FORMAT_VERSION) -> Path:
     """Write a capture file without any validation (to build broken ones)."""
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"kdtree": header_json(meta, version)})

@@ -32,8 +32,9 @@ def test_sglang_bench_figure_from_a_measured_result():
 
     result = json.loads((ROOT / "docs/bench/sglang-serving-h200.json").read_text())
     fig = sglang_bench_figure(result)
-    left, right = fig.axes
+    left, right, host = fig.axes
     assert len(left.patches) == 4 * len(result["cases"]) and len(right.patches) == 2 * len(result["cases"])
+    assert len(host.patches) == 4 * len(result["cases"])
     heights = sorted(round(p.get_height(), 6) for p in right.patches)
     assert heights == sorted(round(c["speedup"][m], 6) for c in result["cases"] for m in ("eager", "graph"))
 

@@ -18,7 +18,7 @@ from kdtree.sglang.settings import Settings, SettingsError
 from kdtree.sglang.shadow import shadow_diff
 from kdtree.sglang.verify import VerifyBatch
 
-from conftest import SHIPPED, small
+from conftest import SHIPPED, small, table_of
 
 ARG_TENSORS = ("qo_indptr", "combined_kv_indptr", "combined_kv_indices", "prefix_lens", "tree_mask")
 
@@ -69,6 +69,34 @@ def test_device_marshal_gives_the_same_bits_as_marshal(path):
 def test_device_marshal_on_fresh_batches(seed, kind, n, prefixes):
     cap = small(seed=seed, tree=kind, num_draft_tokens=n, batch_size=len(prefixes), prefix_lens=prefixes, budget=None)
     assert_same_args(batch_of(cap).marshal(1.0, 0.0), marshal(cap))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_marshal_from_the_page_table_gives_the_same_bits_as_marshal(path):
+    """The kdtree backend's own metadata (SGLang's req_to_token rows and seq_lens, no Triton metadata): the
+    torch twin of `verify_mla_marshal_table_*` gives `kdtree.marshal`'s bits, int32 and int64 tables."""
+    cap = load(path)
+    if len(set(cap.num_draft.tolist())) != 1:
+        pytest.skip("SGLang's verify batches have one N")
+    want = marshal(cap)
+    assert_same_args(table_of(cap).marshal(cap.meta.sm_scale, 0.0), want)
+    assert_same_args(table_of(cap, seed=1, mask_dtype=torch.uint8, table_dtype=torch.int64).marshal(cap.meta.sm_scale, 0.0), want)
+
+
+@pytest.mark.parametrize(
+    "seed,kind,n,prefixes", [(1, "ddtree", 33, [0, 1, 37, 200]), (4, "eagle", 16, [64, 1, 300]), (5, "chain", 1, [3, 9])]
+)
+def test_marshal_from_the_page_table_on_fresh_batches(seed, kind, n, prefixes):
+    cap = small(seed=seed, tree=kind, num_draft_tokens=n, batch_size=len(prefixes), prefix_lens=prefixes, budget=None)
+    assert_same_args(table_of(cap, seed=seed).marshal(1.0, 0.0), marshal(cap))
+
+
+def test_a_wrong_table_row_is_caught():
+    """The comparison can fail: a request reading another request's row gives other slots."""
+    cap = small(seed=2, tree="ddtree", num_draft_tokens=9, batch_size=3, prefix_lens=[40, 41, 42], budget=None)
+    t = table_of(cap)
+    t.req_pool_indices = t.req_pool_indices.roll(1)
+    assert not torch.equal(t.marshal(1.0, 0.0).combined_kv_indices, marshal(cap).combined_kv_indices)
 
 
 def test_no_custom_mask_means_causal_drafts():

@@ -190,3 +190,65 @@ def test_kit_cuda_graph_verify_runner(backend, topk, num_draft, layout):
         rtol=mla.MLA_RTOL,
     )
     assert (KdtreeAttnBackend.kdtree_calls > before) == (backend == "kdtree")
+
+
+def test_backend_graph_replays_new_lengths_without_triton_metadata():
+    """SGLang's graph hooks around a real CUDA graph: `init_forward_metadata_out_graph(in_capture=True)`, an eager
+    warm-up, the capture of the layer's `forward_extend`; then, per replay, new prefix lengths, mask, q and pool
+    written into the same tensors and the out-of-graph hook (kdtree's: the mask copy only, since the graph ran no
+    Triton kernel). Each replay is bit-equal to the eager kdtree backend on the same inputs and within 5e-3 of
+    Triton's backend; an eager step kdtree serves builds no Triton metadata."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    bs, n, H = 4, 17, 16
+    longest = (300, 40, 1000, 7)
+    tr = trees("ddtree", n, bs, seed=3)
+    case = kit.verify_case("graph_backend", "kdtree", longest, n, H)
+    fixture, _ = kit.verify_fixture(case, tr, scaling=KIMI_SCALING, disable_cuda_graph=False, runner_batch_size=bs)
+    backend, fb, layer = fixture.backend, fixture.forward_batch, fixture.actual_module.attn_mqa
+    pool = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.empty(bs * n, H * 576, dtype=torch.bfloat16, device="cuda")
+
+    def set_step(prefix):
+        fb.seq_lens[:bs].copy_(torch.tensor(prefix))
+        fb.seq_lens_cpu = torch.tensor(prefix)
+        fb.seq_lens_sum = sum(prefix)
+        fb.spec_info.custom_mask = kit.masks_for(tr, prefix)[1]
+        q.copy_(torch.randn(q.shape, generator=g, device="cuda"))
+        pool.copy_(torch.randn(pool.shape, generator=g, device="cuda"))
+
+    call = lambda: backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)  # noqa: E731
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+        set_step(longest)
+        backend.init_forward_metadata(fb)
+        call()
+        assert not backend._triton_ready, "an eager step kdtree serves built Triton's metadata"
+        backend.init_cuda_graph_state(bs, bs * n)
+        set_step((1, 1, 1, 1))  # SGLang captures at its seq_len fill value
+        backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()  # SGLang's warm-up run
+        torch.cuda.current_stream().wait_stream(stream)
+        backend.on_after_cuda_graph_warmup()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        calls = KdtreeAttnBackend.kdtree_calls
+        for prefix in [(299, 0, 17, 7), (5, 40, 999, 1), longest, (1, 1, 1, 1)] * 2:
+            set_step(prefix)
+            backend.init_forward_metadata_out_graph(fb)
+            assert bs in backend._kdtree_graphs and not backend._triton_ready
+            graph.replay()
+            replayed = out.clone()
+            backend.init_forward_metadata(fb)
+            eager = call().clone()
+            assert torch.equal(replayed.view(torch.int16), eager.view(torch.int16)), f"replay != eager at {prefix}"
+            backend.ensure_triton_metadata(fb)
+            triton = TritonAttnBackend.forward_extend(backend, q, None, None, layer, fb, save_kv_cache=False)
+            r = kit.rel(replayed, triton)
+            assert r <= 5e-3, f"rel {r:.2e} vs Triton at {prefix}"
+        assert KdtreeAttnBackend.kdtree_calls == calls + 8, "every eager step served by kdtree"

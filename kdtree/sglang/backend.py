@@ -3,10 +3,14 @@ or captured by kdtree (the mode: `kdtree.sglang.settings`).
 
 Everything the kdtree kernel does not serve - other forward modes, other head dims, an fp8 or scaled KV
 cache, sliding windows, sinks, score mods, decode context parallelism, deterministic mode; shadow and capture
-modes under CUDA-graph capture (they read results back) - is Triton's, with one log line per reason. Serving
-is CUDA-graph safe: the step is marshaled and planned on the GPU (`kdtree.serving`) from the metadata buffers
-Triton's graph hooks refill at every replay. Any failure inside kdtree is logged once and that step falls back
-to Triton: kdtree never takes a server down.
+modes under CUDA-graph capture (they read results back) - is Triton's, with one log line per reason.
+
+A TARGET_VERIFY step kdtree serves builds no Triton metadata: the step is marshaled and planned on the GPU
+(`kdtree.serving`) straight from SGLang's page table, lengths and mask (`TableBatch`), so its host work is a
+few launches eager and one mask copy before a graph replay. Triton's metadata is built when Triton is needed:
+eagerly on a step's first Triton call; always at a CUDA-graph capture, and before the replays of a graph in
+which some layer ran Triton's kernel. Any failure inside kdtree is logged once and that call falls back to
+Triton: kdtree never takes a server down.
 
 Imports SGLang (0.5.23): load it through the plugin (`kdtree.sglang.plugin`), not at kdtree's import time.
 """
@@ -25,7 +29,7 @@ from kdtree.sglang import log
 from kdtree.sglang.capture_hook import CaptureWriter, capture_tensors
 from kdtree.sglang.settings import Settings
 from kdtree.sglang.shadow import shadow_diff
-from kdtree.sglang.verify import VerifyBatch, VerifyRunner
+from kdtree.sglang.verify import TableBatch, VerifyBatch, VerifyRunner
 
 HEAD_DIM, V_HEAD_DIM = 576, 512  # absorbed MLA: kv_lora_rank 512 + rope 64; V = the latent part
 
@@ -57,6 +61,10 @@ class KdtreeAttnBackend(TritonAttnBackend):
         self._batch: VerifyBatch | None = None
         self._batch_captured = False  # whether self._batch was built during a CUDA-graph capture
         self._graph_kv_capacity: int | None = None
+        self._owned = False  # this step is kdtree's (no Triton metadata unless a layer needs it)
+        self._triton_ready = False  # Triton's forward_metadata is this step's
+        self._kdtree_graphs: set[int] = set()  # captured batch sizes whose graph runs no Triton verify kernel
+        self._graph_capture: tuple[int, list[bool]] | None = None  # (batch size, [kdtree served, Triton served]) in capture
         log.once(
             "mode", f"attention backend kdtree, mode {self.settings.mode} (KDTREE_MODE), TP rank {self.tp_rank}", logging.INFO
         )
@@ -68,56 +76,188 @@ class KdtreeAttnBackend(TritonAttnBackend):
         self._graph_kv_capacity = max_bs * self.max_context_len + max_num_tokens
 
     def init_forward_metadata(self, forward_batch):
-        super().init_forward_metadata(forward_batch)
-        self._new_step(forward_batch)
+        self._close_capture()
+        self._new_step(forward_batch, owned=self._owns(forward_batch))
+        if not self._owned:
+            super().init_forward_metadata(forward_batch)
+            self._triton_ready = True
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        self._close_capture()
+        bs = len(forward_batch.req_pool_indices)
+        if not in_capture and bs in self._kdtree_graphs and forward_batch.forward_mode.is_target_verify():
+            self._refill_graph_mask(forward_batch)  # all the host work a replayed kdtree step has
+            self._new_step(forward_batch, owned=True)
+            return
+        owned = self._owns(forward_batch)
+        if in_capture:
+            self._graph_capture = (bs, [False, False]) if owned else None
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
-        self._new_step(forward_batch)
+        self._new_step(forward_batch, owned=owned)
+        self._triton_ready = True  # a capture records Triton's buffers for a layer that falls back
 
     def on_after_cuda_graph_warmup(self):
         super().on_after_cuda_graph_warmup()
         self._forget_step()  # the capture that follows marshals and plans inside the graph
 
+    def _close_capture(self) -> None:
+        """After a capture: its batch size replays without Triton's metadata if only kdtree ran in it."""
+        if self._graph_capture is not None:
+            bs, (kdtree_ran, triton_ran) = self._graph_capture
+            if kdtree_ran and not triton_ran:
+                self._kdtree_graphs.add(bs)
+            else:
+                self._kdtree_graphs.discard(bs)
+            self._graph_capture = None
+
+    def _note_capture(self, kdtree: bool) -> None:
+        if self._graph_capture is not None and torch.cuda.is_current_stream_capturing():
+            self._graph_capture[1][0 if kdtree else 1] = True
+
+    def _refill_graph_mask(self, forward_batch) -> None:
+        spec = forward_batch.spec_info
+        buf = self._graph_mask()
+        if buf is not None and spec is not None and spec.custom_mask is not None:
+            n = spec.custom_mask.shape[0]
+            if buf.data_ptr() != spec.custom_mask.data_ptr():
+                buf[:n].copy_(spec.custom_mask, non_blocking=True)
+
+    def _graph_mask(self) -> torch.Tensor | None:
+        mask = getattr(self, "_verify_mask", None)
+        return None if mask is None else mask.buffer
+
     def _forget_step(self) -> None:
         self._batch = None
         self.runner.new_step()
 
-    def _new_step(self, forward_batch) -> None:
+    def _new_step(self, forward_batch, *, owned: bool) -> None:
         self._forget_step()
+        self._owned, self._triton_ready = owned, False
         if forward_batch.forward_mode.is_target_verify():
             self.verify_step += 1
 
-    def verify_batch(self, forward_batch) -> VerifyBatch:
-        """This step's metadata from Triton's `forward_metadata` (no host sync: CUDA-graph safe). Built once per
-        step, and again when a CUDA-graph capture starts: SGLang runs a captured batch's forward eagerly first
-        (warm-ups) without a new metadata call, and the graph must record the marshal kernel and the plan, sized
-        for any replay, not reuse the warm-up's."""
+    def ensure_triton_metadata(self, forward_batch) -> None:
+        """Triton's forward_metadata for this step, built now if this step (kdtree's) had none: before a Triton
+        call, and for tests and benchmarks that run Triton's kernel on the same step."""
+        if not self._triton_ready:
+            super().init_forward_metadata(forward_batch)
+            self._triton_ready = True
+
+    def num_tokens_per_request(self, forward_batch) -> int:
+        """N: the draft tokens a request verifies this step (SGLang's `num_tokens_per_req`)."""
+        spec = forward_batch.spec_info
+        n = getattr(spec, "num_tokens_per_req", -1) if spec is not None else -1
+        return (
+            int(n) if n is not None and n > 0 else int(getattr(self, "target_verify_num_tokens_per_req", self.num_draft_tokens))
+        )
+
+    def page_table(self, forward_batch):
+        """(req_to_token, its row stride) when request b's prefix slots are req_to_token[req_pool_indices[b],
+        :seq_lens[b]] (SGLang's untranslated read stream), else None."""
+        translator = getattr(self, "kv_index_translator", None)
+        if translator is None:
+            return self.req_to_token, self.req_to_token.stride(0)
+        bs = len(forward_batch.req_pool_indices)
+        src = translator.read_source(forward_batch.kv_loc_plan, req_pool_indices=forward_batch.req_pool_indices, bs=bs)
+        if src.is_translated or getattr(src, "v2p", None) is not None or src.entry_page_size != 1:
+            return None
+        return src.ids, src.row_stride
+
+    def verify_batch(self, forward_batch) -> VerifyBatch | TableBatch:
+        """This step's metadata (no host sync: CUDA-graph safe), from SGLang's page table in a step kdtree owns,
+        else from Triton's `forward_metadata`. Built once per step, and again when a CUDA-graph capture starts:
+        SGLang runs a captured batch's forward eagerly first (warm-ups) without a new metadata call, and the
+        graph must record the marshal kernel and the plan, sized for any replay, not reuse the warm-up's."""
         capturing = torch.cuda.is_current_stream_capturing()
         if self._batch is None or self._batch_captured != capturing:
-            md = self.forward_metadata
-            bs = len(forward_batch.req_pool_indices)
-            n = int(md.max_extend_len)
             self._batch_captured = capturing
-            if capturing or forward_batch.seq_lens_sum is None:
-                capacity = self._graph_kv_capacity or (md.kv_indices.numel() + bs * n)
-            else:
-                capacity = int(forward_batch.seq_lens_sum) + bs * n
-            self._batch = VerifyBatch(
-                step=self.verify_step,
-                qo_indptr=md.qo_indptr,
-                kv_indptr=md.kv_indptr,
-                kv_indices=md.kv_indices,
-                out_cache_loc=forward_batch.out_cache_loc,
-                custom_mask=md.custom_mask,
-                mask_indptr=md.mask_indptr,
-                batch_size=bs,
-                num_draft=n,
-                kv_capacity=capacity,
+            self._batch = (
+                self._table_batch(forward_batch, capturing) if self._owned else self._csr_batch(forward_batch, capturing)
             )
         return self._batch
 
+    def _capacity(self, forward_batch, capturing: bool, tokens: int) -> int | None:
+        if capturing or forward_batch.seq_lens_sum is None:
+            return self._graph_kv_capacity
+        return int(forward_batch.seq_lens_sum) + tokens
+
+    def _table_batch(self, forward_batch, capturing: bool) -> TableBatch:
+        bs = len(forward_batch.req_pool_indices)
+        n = self.num_tokens_per_request(forward_batch)
+        table, _ = self.page_table(forward_batch)
+        spec = forward_batch.spec_info
+        mask = None if spec is None or spec.custom_mask is None else spec.custom_mask
+        if capturing and mask is not None:
+            mask = self._graph_mask()  # the buffer the replays refill (`_refill_graph_mask`)
+        capacity = self._capacity(forward_batch, capturing, bs * n) or bs * (self.max_context_len + n)
+        return TableBatch(
+            step=self.verify_step,
+            req_to_token=table,
+            req_pool_indices=forward_batch.req_pool_indices,
+            seq_lens=forward_batch.seq_lens,
+            out_cache_loc=forward_batch.out_cache_loc,
+            custom_mask=mask,
+            batch_size=bs,
+            num_draft=n,
+            kv_capacity=capacity,
+        )
+
+    def _csr_batch(self, forward_batch, capturing: bool) -> VerifyBatch:
+        self.ensure_triton_metadata(forward_batch)
+        md = self.forward_metadata
+        bs = len(forward_batch.req_pool_indices)
+        n = int(md.max_extend_len)
+        return VerifyBatch(
+            step=self.verify_step,
+            qo_indptr=md.qo_indptr,
+            kv_indptr=md.kv_indptr,
+            kv_indices=md.kv_indices,
+            out_cache_loc=forward_batch.out_cache_loc,
+            custom_mask=md.custom_mask,
+            mask_indptr=md.mask_indptr,
+            batch_size=bs,
+            num_draft=n,
+            kv_capacity=self._capacity(forward_batch, capturing, bs * n) or (md.kv_indices.numel() + bs * n),
+        )
+
     # ----- what kdtree serves -----------------------------------------------------------------------
+    def step_refusal(self, forward_batch) -> str | None:
+        """Why this step is not kdtree's to serve (None: it is; Triton's metadata then waits until needed)."""
+        if self.settings.mode != "serve":
+            return f"KDTREE_MODE={self.settings.mode}"
+        if not forward_batch.forward_mode.is_target_verify():
+            return "not TARGET_VERIFY (prefill, decode and draft modes are Triton's)"
+        if not self.use_mla:
+            return "not an MLA model"
+        if self.dcp_size > 1:
+            return "decode context parallelism"
+        if self.enable_deterministic:
+            return "deterministic inference (Triton's unified kernel keeps its bits)"
+        if getattr(forward_batch, "mha_one_shot", False):
+            return "MHA one-shot prefill"
+        if getattr(self, "use_sliding_window_kv_pool", False):
+            return "a sliding-window KV pool"
+        if getattr(self, "dllm_attention", None) is not None:
+            return "diffusion LLM attention"
+        bs = len(forward_batch.req_pool_indices)
+        if forward_batch.out_cache_loc is None or forward_batch.out_cache_loc.numel() != bs * self.num_tokens_per_request(
+            forward_batch
+        ):
+            return "a verify batch whose token count is not batch x draft tokens"
+        if self.page_table(forward_batch) is None:
+            return "a translated KV read stream (SGLang's kv_index_translator maps the slots)"
+        return None
+
+    def _owns(self, forward_batch) -> bool:
+        """Whether kdtree serves this step from its own metadata (a failing check is a refusal, logged once)."""
+        try:
+            reason = self.step_refusal(forward_batch)
+        except Exception as e:  # noqa: BLE001 - the check never breaks a step
+            reason = f"the step check failed ({type(e).__name__}: {e})"
+        if reason is not None and self.settings.mode == "serve" and forward_batch.forward_mode.is_target_verify():
+            log.once(f"step:{reason}", f"Triton's metadata for verify steps: {reason}", logging.INFO)
+        return reason is None
+
     def kdtree_refusal(self, q, layer, forward_batch, extra: dict) -> str | None:
         """Why this call is Triton's, or None when kdtree takes it."""
         if self.settings.mode == "triton":
@@ -150,7 +290,9 @@ class KdtreeAttnBackend(TritonAttnBackend):
             return "MHA one-shot prefill"
         if self.settings.mode != "serve" and torch.cuda.is_current_stream_capturing():
             return f"CUDA-graph capture in {self.settings.mode} mode (it reads results back; run it with --disable-cuda-graph)"
-        if forward_batch.out_cache_loc.numel() != q.shape[0] or self.forward_metadata.qo_indptr is None:
+        if forward_batch.out_cache_loc.numel() != q.shape[0]:
+            return "a verify batch whose token count is not batch x draft tokens"
+        if not self._owned and self.forward_metadata.qo_indptr is None:
             return "a verify batch whose token count is not batch x draft tokens"
         return None
 
@@ -158,14 +300,16 @@ class KdtreeAttnBackend(TritonAttnBackend):
         refusal = self.kdtree_refusal(q, layer, forward_batch, kwargs)
         if refusal is not None:
             log.once(f"refuse:{refusal}", f"Triton serves: {refusal}", logging.INFO)
-            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            return self._triton(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         mode = self.settings.mode
         if mode == "serve":
             try:
-                return self._serve(q, k, v, layer, forward_batch, save_kv_cache)
+                o = self._serve(q, k, v, layer, forward_batch, save_kv_cache)
+                self._note_capture(kdtree=True)
+                return o
             except Exception as e:  # noqa: BLE001 - any kdtree failure falls back to Triton
                 log.once(f"serve:{type(e).__name__}", f"kdtree failed ({type(e).__name__}: {e}); Triton serves")
-                return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+                return self._triton(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if self.settings.watches(self.verify_step, layer.layer_id, self.tp_rank):
             try:
@@ -173,6 +317,13 @@ class KdtreeAttnBackend(TritonAttnBackend):
             except Exception as e:  # noqa: BLE001 - shadow and capture never break serving
                 log.once(f"{mode}:{type(e).__name__}", f"{mode} failed ({type(e).__name__}: {e}); Triton's output is served")
         return o
+
+    def _triton(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs):
+        """Triton's call, its metadata built first where this step had none."""
+        if forward_batch.forward_mode.is_target_verify():
+            self.ensure_triton_metadata(forward_batch)
+            self._note_capture(kdtree=False)
+        return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def _kdtree(self, q, layer, forward_batch, out=None) -> torch.Tensor:
         """kdtree's output [T, H, 512] for this layer (into `out` when given)."""
@@ -192,7 +343,8 @@ class KdtreeAttnBackend(TritonAttnBackend):
 
     def _serve(self, q, k, v, layer, forward_batch, save_kv_cache):
         if k is not None and save_kv_cache:  # SGLang's order: the drafts' keys go into the pool first
-            loc = KVWriteLoc.for_batch(forward_batch, swa_loc=self.forward_metadata.swa_out_cache_loc)
+            swa = None if self._owned else self.forward_metadata.swa_out_cache_loc  # an owned step has no SWA pool
+            loc = KVWriteLoc.for_batch(forward_batch, swa_loc=swa)
             self._set_kv_buffer(forward_batch, layer, loc, k, v)
         out = getattr(forward_batch, "_attn_output", None)
         if out is None:

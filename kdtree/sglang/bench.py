@@ -7,9 +7,11 @@ MLATokenToKVPool, EagleVerifyInput with a DDTree custom mask), random bf16 q and
   eager and replayed from a CUDA graph of that one layer (`*_graph`), and kdtree's call as a captured step's
   first layer records it, marshal and plan included (`kdtree_graph_with_marshal_plan`);
 - `step_metadata_ms`: GPU time of what a verify step does once before its layers: Triton's
-  `init_forward_metadata`, and kdtree's marshal + plan (`kdtree.serving`) on top of it;
-- `host_us`: host time per step outside the kernels: eager, the metadata call (kdtree: plus marshal + plan);
-  under CUDA graphs, `init_forward_metadata_out_graph` (all the host work a replayed step has).
+  `init_forward_metadata`; kdtree's step (its `init_forward_metadata`, which builds no Triton metadata, then
+  marshal + plan from SGLang's page table: `kdtree_step`), and marshal + plan alone;
+- `host_us`: host time per step outside the kernels, the same calls; under CUDA graphs,
+  `init_forward_metadata_out_graph` before a replay (all the host work a replayed step has: kdtree's refills
+  the mask buffer only, `graph_without_triton_metadata` says the captured graph ran no Triton kernel).
 Medians of `triton.testing.do_bench` (L2 flushed) for GPU times; host times are medians of perf_counter
 over 200 calls without a sync.
 """
@@ -87,28 +89,42 @@ def run_case(case: ServingCase, do_bench) -> dict:
     triton_call = lambda: TritonAttnBackend.forward_extend(backend, q, None, None, layer, fb, save_kv_cache=False)  # noqa: E731
     out = {"name": case.name, "batch_size": bs, "num_draft": n, "num_heads": H, "prefix_lens": list(case.prefix_lens)}
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
-        # eager
+        # eager: kdtree's step builds no Triton metadata; Triton's is built for its own calls
         backend.init_forward_metadata(fb)
-        o_k, o_t = kdtree_call().clone(), triton_call().clone()
+        o_k = kdtree_call().clone()
+        backend.ensure_triton_metadata(fb)
+        o_t = triton_call().clone()
         out["rel_vs_triton"] = float((o_k.double() - o_t.double()).norm() / o_t.double().norm())
+        path = backend.runner.path
         batch = backend.verify_batch(fb)
-        prep = lambda: batch.prepare(backend.runner.path, H)  # noqa: E731
+        prep = lambda: batch.prepare(path, H)  # noqa: E731
+        step_kdtree = lambda: (backend.init_forward_metadata(fb), backend.verify_batch(fb).prepare(path, H))  # noqa: E731
         meta = lambda: TritonAttnBackend.init_forward_metadata(backend, fb)  # noqa: E731
         out["layer_ms"] = {"kdtree": do_bench(kdtree_call), "triton": do_bench(triton_call)}
-        out["step_metadata_ms"] = {"triton": do_bench(meta), "kdtree_marshal_plan": do_bench(prep)}
-        out["host_us"] = {"triton_metadata": _host_us(meta), "kdtree_marshal_plan": _host_us(prep)}
+        out["step_metadata_ms"] = {
+            "triton": do_bench(meta),
+            "kdtree": do_bench(step_kdtree),
+            "kdtree_marshal_plan": do_bench(prep),
+        }
+        out["host_us"] = {
+            "triton_metadata": _host_us(meta),
+            "kdtree_step": _host_us(step_kdtree),
+            "kdtree_marshal_plan": _host_us(prep),
+        }
         # CUDA graphs: Triton's graph buffers, SGLang's out-of-graph hook, one layer's call recorded
         backend.init_cuda_graph_state(bs, bs * n)
         backend.init_forward_metadata_out_graph(fb, in_capture=True)
         # one layer alone: the step marshaled and planned beforehand, the graph holds the layer's kernels
-        step = backend.verify_batch(fb).prepare(backend.runner.path, H)
+        step = backend.verify_batch(fb).prepare(path, H)
         o_graph = torch.empty(bs * n, H, 512, dtype=torch.bfloat16, device="cuda")
-        layer_only = lambda: backend.runner.path.launch(step, q.view(-1, H, 576), pool, o_graph, sm_scale=layer.scaling)  # noqa: E731
+        layer_only = lambda: path.launch(step, q.view(-1, H, 576), pool, o_graph, sm_scale=layer.scaling)  # noqa: E731
         out["layer_ms"]["kdtree_graph"] = _graph_ms(layer_only, do_bench)
         out["layer_ms"]["triton_graph"] = _graph_ms(triton_call, do_bench)
         # the backend's call as a server's graph records it: marshal + plan (the step's first layer) and the layer
         out["layer_ms"]["kdtree_graph_with_marshal_plan"] = _graph_ms(kdtree_call, do_bench)
+        # before a replay: kdtree's hook (its graph ran no Triton kernel: the mask copy only) and Triton's
         out["host_us"]["out_graph_kdtree"] = _host_us(lambda: backend.init_forward_metadata_out_graph(fb))
+        out["graph_without_triton_metadata"] = bs in backend._kdtree_graphs
         out["host_us"]["out_graph_triton"] = _host_us(lambda: TritonAttnBackend.init_forward_metadata_out_graph(backend, fb))
     lm = out["layer_ms"]
     out["speedup"] = {"eager": lm["triton"] / lm["kdtree"], "graph": lm["triton_graph"] / lm["kdtree_graph"]}
@@ -147,8 +163,8 @@ def format_row(r: dict) -> str:
     return (
         f"{r['name']:28s} layer kdtree {lm['kdtree']:.4f} / triton {lm['triton']:.4f} ms (x{r['speedup']['eager']:.1f}) "
         f"| graph {lm['kdtree_graph']:.4f} / {lm['triton_graph']:.4f} ms (x{r['speedup']['graph']:.1f}), "
-        f"+marshal+plan {lm['kdtree_graph_with_marshal_plan']:.4f} | marshal+plan {m['kdtree_marshal_plan']:.4f} ms GPU, "
-        f"{h['kdtree_marshal_plan']:.0f} us host eager | out_graph host {h['out_graph_kdtree']:.0f} / "
+        f"+marshal+plan {lm['kdtree_graph_with_marshal_plan']:.4f} | step {m['kdtree']:.4f} / {m['triton']:.4f} ms GPU, "
+        f"host eager {h['kdtree_step']:.0f} / {h['triton_metadata']:.0f} us | out_graph host {h['out_graph_kdtree']:.0f} / "
         f"{h['out_graph_triton']:.0f} us | rel {r['rel_vs_triton']:.2e}"
     )
 

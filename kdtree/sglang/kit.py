@@ -120,6 +120,7 @@ def run_verify(
         o = own(q, k, v, layer, fb, save_kv_cache, **kw)
         attn["backend"] = o.clone()
         if with_triton:
+            getattr(backend, "ensure_triton_metadata", lambda fb: None)(fb)  # kdtree's step may have none
             attn["triton"] = TritonAttnBackend.forward_extend(backend, q, k, v, layer, fb, save_kv_cache, **kw).clone()
         return o
 

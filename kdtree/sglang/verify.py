@@ -1,6 +1,8 @@
-"""One verify step as the kdtree backend sees it, SGLang-free: the step's metadata (`VerifyBatch`, taken from
-the Triton backend's `forward_metadata` and the `ForwardBatch`), marshaled and planned once per step on the
-GPU and launched once per layer (`VerifyRunner`, over `kdtree.serving`: no host sync, CUDA-graph safe).
+"""One verify step as the kdtree backend sees it, SGLang-free: the step's metadata, marshaled and planned once
+per step on the GPU and launched once per layer (`VerifyRunner`, over `kdtree.serving`: no host sync,
+CUDA-graph safe). Two forms of the metadata: `TableBatch`, SGLang's page table and lengths as the
+`ForwardBatch` holds them (what the backend serves from: no Triton metadata is built), and `VerifyBatch`, the
+Triton backend's CSR `forward_metadata` (shadow and capture modes, where Triton runs anyway).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdtree.device_marshal import marshal_tensors
+from kdtree.device_marshal import marshal_from_table, marshal_tensors
 from kdtree.marshal import VerifyArgs
 
 
@@ -72,6 +74,65 @@ class VerifyBatch:
         )
 
 
+@dataclass
+class TableBatch:
+    """One TARGET_VERIFY step from SGLang's page table: request b's prefix slots are
+    req_to_token[req_pool_indices[b], :seq_lens[b]], its N draft slots out_cache_loc[b N .. (b + 1) N), its mask
+    rows custom_mask's (N rows of seq_lens[b] + N). Tensors may be longer than the batch (graph buffers)."""
+
+    step: int
+    req_to_token: torch.Tensor  # [rows, width]
+    req_pool_indices: torch.Tensor  # [>= bs]
+    seq_lens: torch.Tensor  # [>= bs]: prefix lengths
+    out_cache_loc: torch.Tensor  # [>= T]
+    custom_mask: torch.Tensor | None  # flat; None: causal drafts
+    batch_size: int
+    num_draft: int
+    kv_capacity: int  # >= sum(seq_lens) + T
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch_size * self.num_draft
+
+    @property
+    def qo_indptr(self) -> torch.Tensor:
+        return torch.arange(self.batch_size + 1, device=self.seq_lens.device, dtype=torch.int32) * self.num_draft
+
+    def prefix_lens(self) -> list[int]:
+        """The prefix lengths on the host (reads the device: tests only)."""
+        return self.seq_lens[: self.batch_size].cpu().tolist()
+
+    def prepare(self, path, num_heads: int):
+        return path.prepare_table(
+            self.req_to_token,
+            self.req_pool_indices,
+            self.seq_lens,
+            self.out_cache_loc,
+            self.custom_mask,
+            batch_size=self.batch_size,
+            num_draft=self.num_draft,
+            num_heads=num_heads,
+            kv_capacity=self.kv_capacity,
+        )
+
+    def marshal(self, sm_scale: float, logit_cap: float) -> VerifyArgs:
+        """The kernel's arguments in torch ops (`kdtree.device_marshal.marshal_from_table`, the kernel's twin)."""
+        prefix = self.prefix_lens()
+        bs = self.batch_size
+        return marshal_from_table(
+            self.req_to_token,
+            self.req_pool_indices[:bs],
+            self.seq_lens[:bs],
+            self.out_cache_loc,
+            self.custom_mask,
+            num_draft=self.num_draft,
+            prefix_total=sum(prefix),
+            max_prefix_len=max(prefix, default=0),
+            sm_scale=sm_scale,
+            logit_cap=logit_cap,
+        )
+
+
 class VerifyRunner:
     """Marshal and plan a step once (on the GPU), run the kdtree kernel for each of its layers. A step is one
     `VerifyBatch` object: the backend builds a new one per step and when a CUDA-graph capture starts, so the
@@ -95,7 +156,14 @@ class VerifyRunner:
         self._prepared = self._key = None
 
     def run(
-        self, batch: VerifyBatch, q: torch.Tensor, kv_buffer: torch.Tensor, o: torch.Tensor, *, sm_scale: float, logit_cap: float
+        self,
+        batch: VerifyBatch | TableBatch,
+        q: torch.Tensor,
+        kv_buffer: torch.Tensor,
+        o: torch.Tensor,
+        *,
+        sm_scale: float,
+        logit_cap: float,
     ) -> torch.Tensor:
         """o [T, H, 512] <- attention of q [T, H, 576] over the pool kv_buffer [slots, 1, 576] for this step."""
         from kdtree.kernel import check_inputs
