@@ -148,6 +148,7 @@ class ServingPath:
         indices = kv_indices if kv_indices.dtype in self._marshal else kv_indices.to(torch.int64)
         mask = None if custom_mask is None else custom_mask.view(torch.uint8)
         mask_ptr = mask_indptr[: bs + 1].to(torch.int64)
+        loc = out_cache_loc.to(torch.int64)  # converted copies live until the launch is enqueued
         with self.kernel.cupy_stream(torch.cuda.current_stream()):
             self._marshal[indices.dtype](
                 (bs, MARSHAL_BLOCKS_Y, 1),
@@ -156,7 +157,7 @@ class ServingPath:
                     _ptr(qo),
                     _ptr(kvp),
                     _ptr(indices),
-                    _ptr(out_cache_loc.to(torch.int64)),
+                    _ptr(loc),
                     _ptr(mask),
                     _ptr(mask_ptr),
                     np.int32(words),
@@ -193,7 +194,8 @@ class ServingPath:
         combined, prefix_lens, tree_mask = self._outputs(bs, n, words, kv_capacity, dev)
         table = req_to_token if req_to_token.dtype in self._marshal_table else req_to_token.to(torch.int32)
         mask = None if custom_mask is None else custom_mask.view(torch.uint8)
-        long = lambda t: t if t.dtype == torch.int64 else t.to(torch.int64)  # noqa: E731
+        # int64 copies held until the launch is enqueued: a temporary freed earlier is handed to the next
+        rows, lens, loc = (t.to(torch.int64) for t in (req_pool_indices, seq_lens, out_cache_loc))
         with self.kernel.cupy_stream(torch.cuda.current_stream()):
             self._marshal_table[table.dtype](
                 (bs, MARSHAL_BLOCKS_Y, 1),
@@ -201,9 +203,9 @@ class ServingPath:
                 (
                     _ptr(table),
                     np.int64(table.stride(0)),
-                    _ptr(long(req_pool_indices)),
-                    _ptr(long(seq_lens)),
-                    _ptr(long(out_cache_loc)),
+                    _ptr(rows),
+                    _ptr(lens),
+                    _ptr(loc),
                     _ptr(mask),
                     np.int64(0 if mask is None else mask.numel()),
                     np.int32(n),
