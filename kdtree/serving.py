@@ -47,15 +47,18 @@ class PreparedStep:
 
 
 class PlanGraph:
-    """`plan_on_device` for one `PlanShape`, captured once as a CUDA graph: its inputs (`qo_indptr`,
-    `combined_kv_indptr`, int32 [bs + 1]) and the plan's arrays are the graph's own buffers; the marshal kernel
-    writes the inputs, `replay` refreshes the arrays. Steps run in stream order, so one graph serves every step
-    of its shape."""
+    """`plan_on_device` for one `PlanShape`, captured once as a CUDA graph, with the eager steps' buffers of that
+    shape: the graph's inputs (`qo_indptr`, `combined_kv_indptr`, int32 [bs + 1]) and the marshal kernel's
+    shape-sized outputs (`prefix_lens`, `tree_mask`), which it writes; `replay` refreshes the plan's arrays.
+    Steps run in stream order, so one graph and its buffers serve every eager step of the shape: a step's
+    `PreparedStep` holds until the next eager step of its shape is prepared."""
 
     def __init__(self, shape: PlanShape, mask_words: int, device):
         bs = shape.batch_size
         self.qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
         self.combined_kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
+        self.prefix_lens = torch.empty(bs, dtype=torch.int32, device=device)
+        self.tree_mask = torch.empty(bs * shape.num_draft, mask_words, dtype=torch.int32, device=device)
         self.graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -95,31 +98,26 @@ class ServingPath:
         self.plan_graphs: OrderedDict[tuple, PlanGraph] = OrderedDict()
         self.use_plan_graphs = True
         self._workspace: dict = {}  # eager steps' shared partials, by device
+        self._combined: dict = {}  # eager steps' combined slot list, by device
 
-    def _plan_inputs(self, shape: PlanShape, words: int, dev) -> tuple[PlanGraph | None, torch.Tensor, torch.Tensor]:
-        """(the shape's plan graph or None, qo_indptr and combined_kv_indptr buffers the marshal kernel fills)."""
-        bs = shape.batch_size
+    def _buffers(self, bs: int, n: int, num_heads: int, words: int, kv_capacity: int, dev) -> tuple:
+        """(the shape's plan graph or None inside a capture, qo_indptr, combined_kv_indptr, combined slot list,
+        prefix_lens, tree_mask): what the marshal kernel writes. Eager steps reuse their shape's buffers and one
+        slot list per device (grown to powers of two); inside a capture they are the server graph's own."""
         if self.use_plan_graphs and not torch.cuda.is_current_stream_capturing():
-            key = (shape, words, str(dev))
-            graph = self.plan_graphs.pop(key, None) or PlanGraph(shape, words, dev)
+            key = (bs, n, num_heads, words, dev)
+            graph = self.plan_graphs.pop(key, None)
+            if graph is None:
+                graph = PlanGraph(PlanShape(bs, n, num_heads, self.config, self.grid), words, dev)
             self.plan_graphs[key] = graph
             while len(self.plan_graphs) > PLAN_GRAPHS:
                 self.plan_graphs.popitem(last=False)
-            return graph, graph.qo_indptr, graph.combined_kv_indptr
-        new = lambda: torch.empty(bs + 1, dtype=torch.int32, device=dev)  # noqa: E731
-        return None, new(), new()
-
-    def _plan(
-        self, graph: PlanGraph | None, qo, combined_indptr, shape: PlanShape, words: int, dev
-    ) -> tuple[LaunchPlan, Workspace]:
-        if graph is None:  # inside a capture: recorded into the server's graph, with a workspace of its own
-            plan = plan_on_device(qo, combined_indptr, shape, mask_words=words)
-            return plan, Workspace.for_plan(plan, dev)
-        plan = graph.replay()
-        key = str(dev)
-        if key not in self._workspace:
-            self._workspace[key] = Workspace.for_plan(plan, dev, row_tiles=1)
-        return plan, self._workspace[key]
+            combined = self._combined.get(dev)
+            if combined is None or combined.numel() < kv_capacity:
+                combined = self._combined[dev] = torch.empty(1 << (kv_capacity - 1).bit_length(), dtype=torch.int32, device=dev)
+            return graph, graph.qo_indptr, graph.combined_kv_indptr, combined, graph.prefix_lens, graph.tree_mask
+        new = lambda *size: torch.empty(*size, dtype=torch.int32, device=dev)  # noqa: E731
+        return None, new(bs + 1), new(bs + 1), new(kv_capacity), new(bs), new(bs * n, words)
 
     def prepare(
         self,
@@ -140,11 +138,10 @@ class ServingPath:
         combined slot list."""
         dev, bs, n = qo_indptr.device, batch_size, num_draft
         words = (n + 31) // 32
-        shape = PlanShape(bs, n, num_heads, self.config, self.grid)
-        graph, qo, combined_indptr = self._plan_inputs(shape, words, dev)
+        bufs = self._buffers(bs, n, num_heads, words, kv_capacity, dev)
+        graph, qo, combined_indptr, combined, prefix_lens, tree_mask = bufs
         qo.copy_(qo_indptr[: bs + 1])
         kvp = kv_indptr[: bs + 1].to(torch.int32)
-        combined, prefix_lens, tree_mask = self._outputs(bs, n, words, kv_capacity, dev)
         indices = kv_indices if kv_indices.dtype in self._marshal else kv_indices.to(torch.int64)
         mask = None if custom_mask is None else custom_mask.view(torch.uint8)
         mask_ptr = mask_indptr[: bs + 1].to(torch.int64)
@@ -168,7 +165,7 @@ class ServingPath:
                     np.int32(bs),
                 ),
             )
-        return self._prepared(graph, qo, combined_indptr, combined, prefix_lens, tree_mask, shape, words, kv_capacity, dev)
+        return self._prepared(bufs, bs, n, num_heads, words, kv_capacity, dev)
 
     def prepare_table(
         self,
@@ -189,9 +186,8 @@ class ServingPath:
         Device work only (graph-capturable); buffers may be longer than the batch."""
         dev, bs, n = seq_lens.device, batch_size, num_draft
         words = (n + 31) // 32
-        shape = PlanShape(bs, n, num_heads, self.config, self.grid)
-        graph, qo, combined_indptr = self._plan_inputs(shape, words, dev)
-        combined, prefix_lens, tree_mask = self._outputs(bs, n, words, kv_capacity, dev)
+        bufs = self._buffers(bs, n, num_heads, words, kv_capacity, dev)
+        graph, qo, combined_indptr, combined, prefix_lens, tree_mask = bufs
         table = req_to_token if req_to_token.dtype in self._marshal_table else req_to_token.to(torch.int32)
         mask = None if custom_mask is None else custom_mask.view(torch.uint8)
         # int64 copies held until the launch is enqueued: a temporary freed earlier is handed to the next
@@ -218,30 +214,28 @@ class ServingPath:
                     np.int32(bs),
                 ),
             )
-        return self._prepared(graph, qo, combined_indptr, combined, prefix_lens, tree_mask, shape, words, kv_capacity, dev)
+        return self._prepared(bufs, bs, n, num_heads, words, kv_capacity, dev)
 
-    @staticmethod
-    def _outputs(bs: int, n: int, words: int, kv_capacity: int, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The marshal kernel's per-step outputs: combined slot list, prefix lengths, packed tree bits."""
-        return (
-            torch.empty(kv_capacity, dtype=torch.int32, device=dev),
-            torch.empty(bs, dtype=torch.int32, device=dev),
-            torch.empty(bs * n, words, dtype=torch.int32, device=dev),
-        )
-
-    def _prepared(self, graph, qo, combined_indptr, combined, prefix_lens, tree_mask, shape, words, kv_capacity, dev):
+    def _prepared(self, bufs: tuple, bs: int, n: int, num_heads: int, words: int, kv_capacity: int, dev) -> PreparedStep:
+        graph, qo, combined_indptr, combined, prefix_lens, tree_mask = bufs
         args = VerifyArgs(
             qo_indptr=qo,
             combined_kv_indptr=combined_indptr,
             combined_kv_indices=combined,
             prefix_lens=prefix_lens,
             tree_mask=tree_mask,
-            max_num_draft=shape.num_draft,
+            max_num_draft=n,
             max_kv_len=kv_capacity,
             sm_scale=1.0,
             logit_cap=0.0,
         )
-        plan, workspace = self._plan(graph, qo, combined_indptr, shape, words, dev)
+        if graph is None:  # inside a capture: recorded into the server's graph, with a workspace of its own
+            plan = plan_on_device(qo, combined_indptr, PlanShape(bs, n, num_heads, self.config, self.grid), mask_words=words)
+            return PreparedStep(args, plan, Workspace.for_plan(plan, dev))
+        plan = graph.replay()
+        workspace = self._workspace.get(dev)
+        if workspace is None:
+            workspace = self._workspace[dev] = Workspace.for_plan(plan, dev, row_tiles=1)
         return PreparedStep(args, plan, workspace)
 
     def launch(

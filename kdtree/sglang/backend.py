@@ -65,6 +65,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
         self._triton_ready = False  # Triton's forward_metadata is this step's
         self._kdtree_graphs: set[int] = set()  # captured batch sizes whose graph runs no Triton verify kernel
         self._graph_capture: tuple[int, list[bool]] | None = None  # (batch size, [kdtree served, Triton served]) in capture
+        self._step_table = None  # (req_to_token, row stride) of the step kdtree owns (`step_refusal`)
         log.once(
             "mode", f"attention backend kdtree, mode {self.settings.mode} (KDTREE_MODE), TP rank {self.tp_rank}", logging.INFO
         )
@@ -184,7 +185,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
     def _table_batch(self, forward_batch, capturing: bool) -> TableBatch:
         bs = len(forward_batch.req_pool_indices)
         n = self.num_tokens_per_request(forward_batch)
-        table, _ = self.page_table(forward_batch)
+        table, _ = self._step_table or self.page_table(forward_batch)  # step_refusal's, for this step
         spec = forward_batch.spec_info
         mask = None if spec is None or spec.custom_mask is None else spec.custom_mask
         if capturing and mask is not None:
@@ -244,7 +245,8 @@ class KdtreeAttnBackend(TritonAttnBackend):
             forward_batch
         ):
             return "a verify batch whose token count is not batch x draft tokens"
-        if self.page_table(forward_batch) is None:
+        self._step_table = self.page_table(forward_batch)
+        if self._step_table is None:
             return "a translated KV read stream (SGLang's kv_index_translator maps the slots)"
         return None
 

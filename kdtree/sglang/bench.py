@@ -82,6 +82,7 @@ def run_case(case: ServingCase, do_bench) -> dict:
     trees = [make_tree("ddtree", n, rng) if n > 1 else np.array([-1]) for _ in range(bs)]
     fixture, _ = kit.verify_fixture(vcase, trees, scaling=case.scaling, disable_cuda_graph=False, runner_batch_size=bs)
     backend, fb, layer = fixture.backend, fixture.forward_batch, fixture.actual_module.attn_mqa
+    fb.seq_lens = fb.seq_lens.long()  # as SGLang's ScheduleBatch holds them (the kit's are int32)
     pool = backend.token_to_kv_pool.get_key_buffer(0)
     pool.copy_(torch.randn_like(pool, dtype=torch.float32).to(pool.dtype))
     q = torch.randn(bs * n, H * 576, device="cuda").to(torch.bfloat16)
