@@ -148,10 +148,10 @@ __device__ __forceinline__ float softmax_step(RowState& st, float (&x)[COLS], __
 #endif
 #pragma unroll
   for (int off = TPR / 2; off > 0; off /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
-  // The reference max moves only when the tile's max exceeds it by more than VMLA_RESCALE_TAU (log2 units; 0 by
-  // default): p stays <= 2^TAU, and alpha is exactly 1 on every tile that does not raise it (a tile where no
-  // row of the block moved skips the accumulator rescale).
-  const bool grow = tile_max > st.m + VMLA_RESCALE_TAU;  // st.m = -inf: any visible key grows it
+  // The reference max moves only when the tile's max exceeds it: the dominant key's p is exactly 1 (as in
+  // SGLang's kernel), and alpha is exactly 1 on every tile that does not raise it (a tile where no row of the
+  // block moved skips the accumulator rescale).
+  const bool grow = tile_max > st.m;  // st.m = -inf: any visible key grows it
   const float m_new = grow ? tile_max : st.m;
   const float m_use = m_new == VMLA_NEG_INF ? 0.f : m_new;
   const float alpha = grow ? exp2f(st.m - m_use) : 1.f;

@@ -48,13 +48,6 @@
 #define VMLA_Q_SMEM 0     // 0: Q fragments live in registers (BM 32); 1: Q stays in shared memory (BM 64, big smem)
 #endif
 
-#ifndef VMLA_RESCALE_TAU
-// online softmax: move a row's reference max only when it grows by more than this (log2). 0: exact max, so the
-// dominant key's p is exactly 1 (as in SGLang's kernel); 8 skipped more rescales (1-2 % faster on the H200) but
-// left that p a bf16 rounding away from its value, doubling the worst element's error on peaked rows.
-#define VMLA_RESCALE_TAU 0
-#endif
-
 #ifndef VMLA_FAST_MASK
 #define VMLA_FAST_MASK 1  // the softmax step's tree mask as one bit word per thread (<= 2 mask loads, no branches
                           // per key): -4 to -6 % on the H200, same bits (0: the mask read key by key)

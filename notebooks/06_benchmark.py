@@ -26,7 +26,7 @@ from IPython.display import Image
 from kdtree import plots
 from kdtree.bench import summary_table
 
-RESULT = Path("../docs/bench/v13-h200.json")
+RESULT = Path("../docs/bench/bench-h200.json")
 result = json.loads(RESULT.read_text())
 print(summary_table(result))
 

@@ -4,7 +4,6 @@ fp64 oracle per configuration and plan, next to SGLang-numerics emulation's, wit
 Usage: python3 scripts/accuracy_probe.py   (needs a GPU)
 """
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -20,9 +19,7 @@ BM64 = KernelConfig.for_arch("sm_90")
 VARIANTS = {
     "bm64": (BM64, {}),
     "bm64 37sms": (BM64, {"num_sms": 37}),
-    "bm64 tau8": (dataclasses.replace(BM64, extra=(("VMLA_RESCALE_TAU", 8),)), {}),
     "bm32": (KernelConfig(), {}),
-    "bm32 tau8": (KernelConfig(extra=(("VMLA_RESCALE_TAU", 8),)), {}),
     "wgmma": (KernelConfig.for_arch("sm_90a"), {}),
 }
 

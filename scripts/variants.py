@@ -35,8 +35,7 @@ VARIANTS = {
     "bm32_regs": (KernelConfig(), {}),  # sm_120's configuration
     "bm64_r2k1": (KernelConfig(**BM64), {}),  # sm_90's configuration
     "bm64_16warps": (KernelConfig(**(BM64 | dict(warps=16, khalves=2))), {}),  # 128 registers each: spills
-    # a lagging max (VMLA_RESCALE_TAU) and the tree mask read key by key (the bit-equality reference)
-    "tau8": (KernelConfig(**BM64, extra=(("VMLA_RESCALE_TAU", 8),)), {}),
+    # the tree mask read key by key (the bit-equality reference)
     "no_fast_mask": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 0),)), {}),
     # BM 32 in blocks of 4 warps, two resident per SM (independent barriers: one block's softmax under the other's MMAs)
     "bm32_w4x2": (KernelConfig(warps=4, khalves=1, kpasses=2, blocks_per_sm=2), {}),
