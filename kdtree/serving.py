@@ -51,9 +51,11 @@ class PlanGraph:
     shape: the graph's inputs (`qo_indptr`, `combined_kv_indptr`, int32 [bs + 1]) and the marshal kernel's
     shape-sized outputs (`prefix_lens`, `tree_mask`), which it writes; `replay` refreshes the plan's arrays.
     Steps run in stream order, so one graph and its buffers serve every eager step of the shape: a step's
-    `PreparedStep` holds until the next eager step of its shape is prepared."""
+    `PreparedStep` holds until the next eager step of its shape is prepared. The plan graphs of a path share
+    one memory pool: a graph's scratch may overlay another's arrays, which every replay recomputes before its
+    step reads them."""
 
-    def __init__(self, shape: PlanShape, mask_words: int, device):
+    def __init__(self, shape: PlanShape, mask_words: int, device, pool=None):
         bs = shape.batch_size
         self.qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
         self.combined_kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
@@ -64,7 +66,7 @@ class PlanGraph:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             plan_on_device(self.qo_indptr, self.combined_kv_indptr, shape, mask_words=mask_words)  # warm-up
-            self.graph.capture_begin(capture_error_mode="thread_local")
+            self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 self.plan = plan_on_device(self.qo_indptr, self.combined_kv_indptr, shape, mask_words=mask_words)
             finally:
@@ -97,6 +99,8 @@ class ServingPath:
         }
         self.plan_graphs: OrderedDict[tuple, PlanGraph] = OrderedDict()
         self.use_plan_graphs = True
+        self.plan_graph_error: str | None = None  # why plan graphs were turned off, if they were
+        self._plan_pool = None  # one CUDA-graph memory pool for all plan graphs
         self._workspace: dict = {}  # eager steps' shared partials, by device
         self._combined: dict = {}  # eager steps' combined slot list, by device
 
@@ -106,9 +110,10 @@ class ServingPath:
         slot list per device (grown to powers of two); inside a capture they are the server graph's own."""
         if self.use_plan_graphs and not torch.cuda.is_current_stream_capturing():
             key = (bs, n, num_heads, words, dev)
-            graph = self.plan_graphs.pop(key, None)
-            if graph is None:
-                graph = PlanGraph(PlanShape(bs, n, num_heads, self.config, self.grid), words, dev)
+            graph = self.plan_graphs.pop(key, None) or self._new_plan_graph(bs, n, num_heads, words, dev)
+        else:
+            graph = None
+        if graph is not None:
             self.plan_graphs[key] = graph
             while len(self.plan_graphs) > PLAN_GRAPHS:
                 self.plan_graphs.popitem(last=False)
@@ -118,6 +123,18 @@ class ServingPath:
             return graph, graph.qo_indptr, graph.combined_kv_indptr, combined, graph.prefix_lens, graph.tree_mask
         new = lambda *size: torch.empty(*size, dtype=torch.int32, device=dev)  # noqa: E731
         return None, new(bs + 1), new(bs + 1), new(kv_capacity), new(bs), new(bs * n, words)
+
+    def _new_plan_graph(self, bs: int, n: int, num_heads: int, words: int, dev) -> PlanGraph | None:
+        """A plan graph for the shape, or None from now on if one cannot be captured here (the plan then runs op
+        by op: slower on the host, the same bits)."""
+        try:
+            if self._plan_pool is None:
+                self._plan_pool = torch.cuda.graph_pool_handle()
+            return PlanGraph(PlanShape(bs, n, num_heads, self.config, self.grid), words, dev, self._plan_pool)
+        except Exception as e:  # noqa: BLE001 - graphs are an optimisation
+            self.use_plan_graphs = False
+            self.plan_graph_error = f"{type(e).__name__}: {e}"
+            return None
 
     def prepare(
         self,

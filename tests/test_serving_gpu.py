@@ -179,6 +179,7 @@ def test_the_plan_graph_replays_the_plan_op_by_op(path):
 
     bs, budget, H = 3, 16, 16
     before = len(path.plan_graphs)
+    assert path.use_plan_graphs
     for seed, prefixes in enumerate([[1, 1, 1], [0, 4000, 17], [900, 33, 2048], [5, 5, 70000]]):
         cap = small(batch_size=bs, budget=budget, prefix_lens=prefixes, seed=seed)
         step = path.prepare_table(
@@ -188,11 +189,14 @@ def test_the_plan_graph_replays_the_plan_op_by_op(path):
             num_heads=H,
             kv_capacity=int(cap.kv_indptr[-1]) + cap.num_tokens,
         )
+        key = (bs, budget + 1, H, 1, step.args.qo_indptr.device)
+        assert key in path.plan_graphs and step.plan is path.plan_graphs[key].plan, "the plan came from its graph"
         shape = PlanShape(bs, budget + 1, H, path.config, path.grid)
         direct = plan_on_device(step.args.qo_indptr.clone(), step.args.combined_kv_indptr.clone(), shape, mask_words=1)
         for name, arr in direct.arrays.items():
             assert torch.equal(step.plan.arrays[name], arr), (prefixes, name)
     assert len(path.plan_graphs) <= before + 1, "one plan graph for the one shape"
+    assert path.plan_graph_error is None
 
 
 def test_the_page_table_path_replays_new_lengths_bit_equal_to_eager(path):
@@ -252,3 +256,33 @@ def test_the_page_table_path_replays_new_lengths_bit_equal_to_eager(path):
             assert torch.equal(replayed.view(torch.int16), o.view(torch.int16)), "replay differs from eager"
             d = compare(cap, 0, AttnOutput(replayed, None), oracle(cap, 0, device="cuda"), tolerance=5e-3)
             assert d.passed, d.line()
+
+
+def test_padded_rows_from_the_page_table_stay_inside_an_exact_mask(path):
+    """Scratch rows as SGLang's graph runner pads (prefix 1, request row 0, out_cache_loc 0) after the real
+    rows, with a mask exactly as long as the real rows need: the real rows' arguments are `kdtree.marshal`'s,
+    the padded rows' mask reads stay inside the mask (no fault), and the real rows match the oracle."""
+    cap = load(next(p for p in SHIPPED if p.stem == "sglang-ddtree17"))
+    real, pad, n = cap.batch_size, 3, int(cap.num_draft[0])
+    t = table_buffers(cap, pad=0)
+    bufs = dict(
+        req_to_token=t["req_to_token"],
+        req_pool_indices=torch.cat([t["req_pool_indices"][:real], torch.zeros(pad, dtype=torch.int64, device="cuda")]),
+        seq_lens=torch.cat([t["seq_lens"][:real], torch.ones(pad, dtype=torch.int64, device="cuda")]),
+        out_cache_loc=torch.cat([t["out_cache_loc"], torch.zeros(pad * n, dtype=torch.int64, device="cuda")]),
+        custom_mask=t["custom_mask"][: int(cap.mask_indptr[-1])].clone(),
+    )
+    want = marshal(cap)
+    total, T = int(want.combined_kv_indptr[-1]), cap.num_tokens
+    step = path.prepare_table(
+        **bufs, batch_size=real + pad, num_draft=n, num_heads=cap.meta.num_heads, kv_capacity=total + pad * (n + 1)
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(step.args.combined_kv_indptr[: real + 1].cpu(), want.combined_kv_indptr)
+    assert torch.equal(step.args.combined_kv_indices[:total].cpu(), want.combined_kv_indices)
+    assert torch.equal(step.args.tree_mask[:T].cpu(), want.tree_mask)
+    o = poisoned(((real + pad) * n, cap.meta.num_heads, 512), "cuda")
+    q = torch.cat([cap.layer(0).q.cuda(), torch.zeros(pad * n, cap.meta.num_heads, 576, dtype=torch.bfloat16, device="cuda")])
+    path.launch(step, q, cap.pool(0, "cuda"), o, sm_scale=cap.meta.sm_scale, logit_cap=cap.meta.logit_cap)
+    d = compare(cap, 0, AttnOutput(o[:T], None), oracle(cap, 0, device="cuda"), tolerance=5e-3)
+    assert d.passed, d.line()

@@ -286,3 +286,23 @@ def test_padded_rows_as_sglang_pads_them_leave_the_real_rows_alone():
     shape = PlanShape(bs, n, cap.meta.num_heads, KernelConfig.for_arch("sm_90"), 132)
     p = plan_on_device(got.qo_indptr, got.combined_kv_indptr, shape, mask_words=got.tree_mask.shape[1])
     assert int(p.arrays["rt_unit_start"][-1]) == int(p.arrays["cta_unit_start"][-1])  # every unit, padded rows too
+
+
+def test_padded_rows_from_the_page_table_leave_the_real_rows_alone():
+    """The same padding through the backend's own metadata: scratch rows of prefix 1 on request row 0 and
+    out_cache_loc 0, the mask exactly as long as the real rows need (SGLang's spec_info covers only them), so
+    the padded rows' mask reads run past its end (the kernel and this twin clamp them to its last cell)."""
+    cap = load(next(p for p in SHIPPED if p.stem == "sglang-ddtree17"))
+    real, pad, n = cap.batch_size, 3, int(cap.num_draft[0])
+    t = table_of(cap)
+    t.req_pool_indices = torch.cat([t.req_pool_indices, torch.zeros(pad, dtype=torch.long)])
+    t.seq_lens = torch.cat([t.seq_lens, torch.ones(pad, dtype=torch.long)])
+    t.out_cache_loc = torch.cat([t.out_cache_loc, torch.zeros(pad * n, dtype=torch.long)])
+    t.batch_size, t.kv_capacity = real + pad, t.kv_capacity + pad * (n + 1)
+    assert t.custom_mask.numel() == int(cap.mask_indptr[-1])  # exactly the real rows' cells
+    got, want = t.marshal(cap.meta.sm_scale, 0.0), marshal(cap)
+    T, total = cap.num_tokens, int(want.combined_kv_indptr[-1])
+    assert torch.equal(got.combined_kv_indptr[: real + 1], want.combined_kv_indptr)
+    assert torch.equal(got.combined_kv_indices[:total], want.combined_kv_indices)
+    assert torch.equal(got.tree_mask[:T], want.tree_mask) and torch.equal(got.prefix_lens[:real], want.prefix_lens)
+    assert torch.equal(got.prefix_lens[real:], torch.ones(pad, dtype=torch.int32))

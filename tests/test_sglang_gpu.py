@@ -231,11 +231,13 @@ def test_backend_graph_replays_new_lengths_without_triton_metadata():
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            call()  # SGLang's warm-up run
+            backend.init_forward_metadata_in_graph(fb)  # SGLang's warm-up run: the in-graph hook, then the layers
+            call()
         torch.cuda.current_stream().wait_stream(stream)
         backend.on_after_cuda_graph_warmup()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
+            backend.init_forward_metadata_in_graph(fb)  # the marshal kernel reads req_to_token here
             out = call()
         calls = KdtreeAttnBackend.kdtree_calls
         for prefix in [(299, 0, 17, 7), (5, 40, 999, 1), longest, (1, 1, 1, 1)] * 2:
@@ -252,3 +254,70 @@ def test_backend_graph_replays_new_lengths_without_triton_metadata():
             r = kit.rel(replayed, triton)
             assert r <= 5e-3, f"rel {r:.2e} vs Triton at {prefix}"
         assert KdtreeAttnBackend.kdtree_calls == calls + 8, "every eager step served by kdtree"
+
+
+def test_a_graph_in_which_a_layer_ran_triton_keeps_tritons_hook(monkeypatch):
+    """A capture where one verify layer is Triton's (refused): that batch size never replays without Triton's
+    metadata, and after a replay with new lengths both layers' outputs are right (kdtree's bit-equal to its
+    eager step, Triton's equal to Triton's eager call)."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    bs, n, H = 3, 9, 16
+    longest = (200, 31, 500)
+    tr = trees("ddtree", n, bs, seed=5)
+    fixture, _ = kit.verify_fixture(
+        kit.verify_case("graph_mixed", "kdtree", longest, n, H), tr, disable_cuda_graph=False, runner_batch_size=bs
+    )
+    backend, fb, layer = fixture.backend, fixture.forward_batch, fixture.actual_module.attn_mqa
+    pool = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    pool.copy_(torch.randn(pool.shape, device="cuda"))
+    q = torch.randn(bs * n, H * 576, device="cuda").to(torch.bfloat16)
+    refuse = {"on": False}
+    own = KdtreeAttnBackend.kdtree_refusal
+    monkeypatch.setattr(
+        KdtreeAttnBackend,
+        "kdtree_refusal",
+        lambda self, *a, **kw: "test: this layer is Triton's" if refuse["on"] else own(self, *a, **kw),
+    )
+
+    def step():
+        refuse["on"] = False
+        a = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
+        refuse["on"] = True
+        b = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
+        refuse["on"] = False
+        return a, b
+
+    def set_lengths(prefix):
+        fb.seq_lens[:bs].copy_(torch.tensor(prefix))
+        fb.seq_lens_cpu, fb.seq_lens_sum = torch.tensor(prefix), sum(prefix)
+        fb.spec_info.custom_mask = kit.masks_for(tr, prefix)[1]
+
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+        backend.init_cuda_graph_state(bs, bs * n)
+        set_lengths((1, 1, 1))
+        backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            backend.init_forward_metadata_in_graph(fb)
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        backend.on_after_cuda_graph_warmup()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            backend.init_forward_metadata_in_graph(fb)
+            out_k, out_t = step()
+        for prefix in [(199, 0, 17), longest]:
+            set_lengths(prefix)
+            backend.init_forward_metadata_out_graph(fb)
+            assert bs not in backend._kdtree_graphs and backend._triton_ready
+            graph.replay()
+            got_k, got_t = out_k.clone(), out_t.clone()
+            backend.init_forward_metadata(fb)
+            eager_k = backend.forward_extend(q, None, None, layer, fb, save_kv_cache=False)
+            assert torch.equal(got_k.view(torch.int16), eager_k.view(torch.int16)), f"kdtree layer at {prefix}"
+            backend.ensure_triton_metadata(fb)
+            eager_t = TritonAttnBackend.forward_extend(backend, q, None, None, layer, fb, save_kv_cache=False)
+            assert kit.rel(got_t, eager_t) <= 1e-3, f"Triton layer at {prefix}: replayed with stale metadata?"

@@ -64,6 +64,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
         self._owned = False  # this step is kdtree's (no Triton metadata unless a layer needs it)
         self._triton_ready = False  # Triton's forward_metadata is this step's
         self._kdtree_graphs: set[int] = set()  # captured batch sizes whose graph runs no Triton verify kernel
+        self._graph_sizes_with_triton: set[int] = set()  # sizes of which some captured graph ran Triton's
         self._graph_capture: tuple[int, list[bool]] | None = None  # (batch size, [kdtree served, Triton served]) in capture
         self._step_table = None  # (req_to_token, row stride) of the step kdtree owns (`step_refusal`)
         log.once(
@@ -79,6 +80,8 @@ class KdtreeAttnBackend(TritonAttnBackend):
     def init_forward_metadata(self, forward_batch):
         self._close_capture()
         self._new_step(forward_batch, owned=self._owns(forward_batch))
+        if self._owned:
+            self._prepare_step(forward_batch)  # reads SGLang's page table where Triton's metadata would
         if not self._owned:
             super().init_forward_metadata(forward_batch)
             self._triton_ready = True
@@ -86,16 +89,47 @@ class KdtreeAttnBackend(TritonAttnBackend):
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         self._close_capture()
         bs = len(forward_batch.req_pool_indices)
-        if not in_capture and bs in self._kdtree_graphs and forward_batch.forward_mode.is_target_verify():
-            self._refill_graph_mask(forward_batch)  # all the host work a replayed kdtree step has
-            self._new_step(forward_batch, owned=True)
+        is_verify = forward_batch.forward_mode.is_target_verify()
+        if not in_capture:  # a replay: its graph is fixed, whatever this step would choose
+            if is_verify and bs in self._kdtree_graphs:
+                self._refill_graph_mask(forward_batch)  # all the host work a replayed kdtree step has
+                self._new_step(forward_batch, owned=True)
+                return
+            super().init_forward_metadata_out_graph(forward_batch, in_capture)
+            self._new_step(forward_batch, owned=False)
+            self._triton_ready = True
             return
         owned = self._owns(forward_batch)
-        if in_capture:
-            self._graph_capture = (bs, [False, False]) if owned else None
+        spec = forward_batch.spec_info
+        if owned and spec is not None and spec.custom_mask is not None and self._graph_mask() is None:
+            owned = False  # no mask buffer for the replays to refill (Triton's hook would fail the same way)
+            log.once("graph:mask", "Triton's metadata for graph-captured verify steps: no verify mask buffer", logging.INFO)
+        if is_verify and not owned:
+            self._kdtree_graphs.discard(bs)
+            self._graph_sizes_with_triton.add(bs)
+        self._graph_capture = (bs, [False, False]) if owned else None
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
         self._new_step(forward_batch, owned=owned)
         self._triton_ready = True  # a capture records Triton's buffers for a layer that falls back
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        """Inside the capture (and its warm-ups), before SGLang's shared-read event: the marshal kernel reads
+        `req_to_token` here, as Triton's hook does before a replay, not at the first layer."""
+        super().init_forward_metadata_in_graph(forward_batch)
+        if self._owned and forward_batch.forward_mode.is_target_verify():
+            self._prepare_step(forward_batch)
+
+    def _prepare_step(self, forward_batch) -> None:
+        """Marshal and plan this owned step now; a failure makes it Triton's (logged once)."""
+        try:
+            self.runner.prepare(self.verify_batch(forward_batch), self.num_head)
+        except Exception as e:  # noqa: BLE001 - kdtree never breaks a step
+            log.once(
+                f"prepare:{type(e).__name__}", f"kdtree could not prepare a verify step ({type(e).__name__}: {e}); Triton serves"
+            )
+            self._owned = False
+            self._forget_step()
+            self._note_capture(kdtree=False)
 
     def on_after_cuda_graph_warmup(self):
         super().on_after_cuda_graph_warmup()
@@ -105,10 +139,11 @@ class KdtreeAttnBackend(TritonAttnBackend):
         """After a capture: its batch size replays without Triton's metadata if only kdtree ran in it."""
         if self._graph_capture is not None:
             bs, (kdtree_ran, triton_ran) = self._graph_capture
-            if kdtree_ran and not triton_ran:
+            if kdtree_ran and not triton_ran and bs not in self._graph_sizes_with_triton:
                 self._kdtree_graphs.add(bs)
-            else:
+            else:  # SGLang may hold several graphs of a size (variants): one that ran Triton rules the size out
                 self._kdtree_graphs.discard(bs)
+                self._graph_sizes_with_triton.add(bs)
             self._graph_capture = None
 
     def _note_capture(self, kdtree: bool) -> None:
@@ -178,8 +213,12 @@ class KdtreeAttnBackend(TritonAttnBackend):
         return self._batch
 
     def _capacity(self, forward_batch, capturing: bool, tokens: int) -> int | None:
-        if capturing or forward_batch.seq_lens_sum is None:
+        """The combined slot list's length bound: the graph's inside a capture, else the step's (None where
+        SGLang has no host sum: the caller bounds it by the context length, as Triton does)."""
+        if capturing:
             return self._graph_kv_capacity
+        if forward_batch.seq_lens_sum is None:
+            return None
         return int(forward_batch.seq_lens_sum) + tokens
 
     def _table_batch(self, forward_batch, capturing: bool) -> TableBatch:

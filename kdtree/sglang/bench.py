@@ -7,8 +7,8 @@ MLATokenToKVPool, EagleVerifyInput with a DDTree custom mask), random bf16 q and
   eager and replayed from a CUDA graph of that one layer (`*_graph`), and kdtree's call as a captured step's
   first layer records it, marshal and plan included (`kdtree_graph_with_marshal_plan`);
 - `step_metadata_ms`: GPU time of what a verify step does once before its layers: Triton's
-  `init_forward_metadata`; kdtree's step (its `init_forward_metadata`, which builds no Triton metadata, then
-  marshal + plan from SGLang's page table: `kdtree_step`), and marshal + plan alone;
+  `init_forward_metadata`; kdtree's step (its `init_forward_metadata`, which builds no Triton metadata and
+  marshals and plans from SGLang's page table: `kdtree_step`), and marshal + plan alone;
 - `host_us`: host time per step outside the kernels, the same calls; under CUDA graphs,
   `init_forward_metadata_out_graph` before a replay (all the host work a replayed step has: kdtree's refills
   the mask buffer only, `graph_without_triton_metadata` says the captured graph ran no Triton kernel).
@@ -99,7 +99,7 @@ def run_case(case: ServingCase, do_bench) -> dict:
         path = backend.runner.path
         batch = backend.verify_batch(fb)
         prep = lambda: batch.prepare(path, H)  # noqa: E731
-        step_kdtree = lambda: (backend.init_forward_metadata(fb), backend.verify_batch(fb).prepare(path, H))  # noqa: E731
+        step_kdtree = lambda: backend.init_forward_metadata(fb)  # noqa: E731 - marshal + plan included
         meta = lambda: TritonAttnBackend.init_forward_metadata(backend, fb)  # noqa: E731
         out["layer_ms"] = {"kdtree": do_bench(kdtree_call), "triton": do_bench(triton_call)}
         out["step_metadata_ms"] = {

@@ -168,9 +168,14 @@ class VerifyRunner:
         """o [T, H, 512] <- attention of q [T, H, 576] over the pool kv_buffer [slots, 1, 576] for this step."""
         from kdtree.kernel import check_inputs
 
-        key = (batch, q.shape[1])
-        if self._key is None or self._key[0] is not batch or self._key[1] != key[1]:
-            self._prepared = batch.prepare(self.path, q.shape[1])
-            self._key = key
-        check_inputs(self._prepared.args, q, kv_buffer)
-        return self.path.launch(self._prepared, q.contiguous(), kv_buffer, o, sm_scale=sm_scale, logit_cap=logit_cap)
+        prepared = self.prepare(batch, q.shape[1])
+        check_inputs(prepared.args, q, kv_buffer)
+        return self.path.launch(prepared, q.contiguous(), kv_buffer, o, sm_scale=sm_scale, logit_cap=logit_cap)
+
+    def prepare(self, batch: VerifyBatch | TableBatch, num_heads: int):
+        """The step marshaled and planned for `num_heads` heads: once per batch object (the backend calls this
+        from its metadata hooks, where SGLang's shared tables may be read; a layer finds it done)."""
+        if self._key is None or self._key[0] is not batch or self._key[1] != num_heads:
+            self._prepared = batch.prepare(self.path, num_heads)
+            self._key = (batch, num_heads)
+        return self._prepared
