@@ -64,6 +64,33 @@ def run_step(path, cap, layer_id, bufs, o=None):
     return step, o
 
 
+def capture_once_replay_many(step, load_batch, caps, o):
+    """Capture `step` (after a warm-up outside the graph) on caps[0]'s inputs, then three rounds over the others:
+    load each batch into the same tensors, replay, and check the output against the eager step on the same
+    inputs (bit-equal) and against the fp64 oracle (5e-3)."""
+    load_batch(caps[0])
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        for cap in caps[1:] + caps[:1]:
+            load_batch(cap)
+            o.fill_(float("nan"))
+            graph.replay()
+            replayed = o.clone()
+            o.fill_(float("nan"))
+            step()
+            assert torch.equal(replayed.view(torch.int16), o.view(torch.int16)), "replay differs from eager"
+            d = compare(cap, 0, AttnOutput(replayed, None), oracle(cap, 0, device="cuda"), tolerance=5e-3)
+            assert d.passed, d.line()
+
+
 @pytest.mark.parametrize("p", [p for p in SHIPPED if len(set(load(p).num_draft.tolist())) == 1], ids=lambda p: p.stem)
 def test_marshal_kernel_and_device_plan_serve_every_capture(path, p):
     cap = load(p)
@@ -111,27 +138,7 @@ def test_a_graph_captured_once_replays_new_lengths_bit_equal_to_eager(path):
         s = path.prepare(**static, batch_size=bs, num_draft=budget + 1, num_heads=H, kv_capacity=cap_kv)
         path.launch(s, q, pool, o, sm_scale=caps[0].meta.sm_scale)
 
-    load_batch(caps[0])
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        for cap in caps[1:] + caps[:1]:
-            load_batch(cap)
-            o.fill_(float("nan"))
-            graph.replay()
-            replayed = o.clone()
-            o.fill_(float("nan"))
-            step()
-            assert torch.equal(replayed.view(torch.int16), o.view(torch.int16)), "replay differs from eager"
-            d = compare(cap, 0, AttnOutput(replayed, None), oracle(cap, 0, device="cuda"), tolerance=5e-3)
-            assert d.passed, d.line()
+    capture_once_replay_many(step, load_batch, caps, o)
 
 
 def table_buffers(cap, *, seed: int = 0, table_dtype=torch.int32, pad: int = 64):
@@ -236,26 +243,7 @@ def test_the_page_table_path_replays_new_lengths_bit_equal_to_eager(path):
         s = path.prepare_table(**static, batch_size=bs, num_draft=n, num_heads=H, kv_capacity=cap_kv)
         path.launch(s, q, pool, o, sm_scale=caps[0].meta.sm_scale)
 
-    load_batch(caps[0])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        for cap in caps[1:] + caps[:1]:
-            load_batch(cap)
-            o.fill_(float("nan"))
-            graph.replay()
-            replayed = o.clone()
-            o.fill_(float("nan"))
-            step()
-            assert torch.equal(replayed.view(torch.int16), o.view(torch.int16)), "replay differs from eager"
-            d = compare(cap, 0, AttnOutput(replayed, None), oracle(cap, 0, device="cuda"), tolerance=5e-3)
-            assert d.passed, d.line()
+    capture_once_replay_many(step, load_batch, caps, o)
 
 
 def test_padded_rows_from_the_page_table_stay_inside_an_exact_mask(path):
