@@ -24,17 +24,13 @@ import numpy as np
 import torch
 
 from kdtree.device_plan import PlanShape, plan_on_device
-from kdtree.kernel import KERNEL_DIR, KernelConfig, LaunchPlan, VerifyKernel, Workspace
+from kdtree.kernel import KERNEL_DIR, KernelConfig, LaunchPlan, VerifyKernel, Workspace, device_ptr
 from kdtree.marshal import VerifyArgs
 
 MARSHAL_SOURCE = KERNEL_DIR / "verify_mla_marshal.cu"
 MARSHAL_THREADS = 256
 MARSHAL_BLOCKS_Y = 8  # blocks per request (a 128k prefix: 64 slots a thread)
 PLAN_GRAPHS = 64  # plan shapes kept (batch size x N x heads), least recently used dropped
-
-
-def _ptr(t: torch.Tensor | None) -> np.uint64:
-    return np.uint64(0 if t is None else t.data_ptr())
 
 
 @dataclass
@@ -163,25 +159,11 @@ class ServingPath:
         mask = None if custom_mask is None else custom_mask.view(torch.uint8)
         mask_ptr = mask_indptr[: bs + 1].to(torch.int64)
         loc = out_cache_loc.to(torch.int64)  # converted copies live until the launch is enqueued
-        with self.kernel.cupy_stream(torch.cuda.current_stream()):
-            self._marshal[indices.dtype](
-                (bs, MARSHAL_BLOCKS_Y, 1),
-                (MARSHAL_THREADS, 1, 1),
-                (
-                    _ptr(qo),
-                    _ptr(kvp),
-                    _ptr(indices),
-                    _ptr(loc),
-                    _ptr(mask),
-                    _ptr(mask_ptr),
-                    np.int32(words),
-                    _ptr(combined_indptr),
-                    _ptr(combined),
-                    _ptr(prefix_lens),
-                    _ptr(tree_mask),
-                    np.int32(bs),
-                ),
-            )
+        self._launch_marshal(
+            self._marshal[indices.dtype],
+            bs,
+            (qo, kvp, indices, loc, mask, mask_ptr, np.int32(words), combined_indptr, combined, prefix_lens, tree_mask),
+        )
         return self._prepared(bufs, bs, n, num_heads, words, kv_capacity, dev)
 
     def prepare_table(
@@ -209,29 +191,21 @@ class ServingPath:
         mask = None if custom_mask is None else custom_mask.view(torch.uint8)
         # int64 copies held until the launch is enqueued: a temporary freed earlier is handed to the next
         rows, lens, loc = (t.to(torch.int64) for t in (req_pool_indices, seq_lens, out_cache_loc))
-        with self.kernel.cupy_stream(torch.cuda.current_stream()):
-            self._marshal_table[table.dtype](
-                (bs, MARSHAL_BLOCKS_Y, 1),
-                (MARSHAL_THREADS, 1, 1),
-                (
-                    _ptr(table),
-                    np.int64(table.stride(0)),
-                    _ptr(rows),
-                    _ptr(lens),
-                    _ptr(loc),
-                    _ptr(mask),
-                    np.int64(0 if mask is None else mask.numel()),
-                    np.int32(n),
-                    np.int32(words),
-                    _ptr(qo),
-                    _ptr(combined_indptr),
-                    _ptr(combined),
-                    _ptr(prefix_lens),
-                    _ptr(tree_mask),
-                    np.int32(bs),
-                ),
-            )
+        mask_len = np.int64(0 if mask is None else mask.numel())
+        self._launch_marshal(
+            self._marshal_table[table.dtype],
+            bs,
+            (table, np.int64(table.stride(0)), rows, lens, loc, mask, mask_len, np.int32(n), np.int32(words))
+            + (qo, combined_indptr, combined, prefix_lens, tree_mask),
+        )
         return self._prepared(bufs, bs, n, num_heads, words, kv_capacity, dev)
+
+    def _launch_marshal(self, fn, bs: int, args: tuple) -> None:
+        """One marshal launch, (bs, MARSHAL_BLOCKS_Y) blocks on torch's stream; tensors (or None) go as device
+        addresses, numpy scalars as they are, and the batch size last."""
+        values = tuple(a if isinstance(a, np.generic) else device_ptr(a) for a in args) + (np.int32(bs),)
+        with self.kernel.cupy_stream(torch.cuda.current_stream()):
+            fn((bs, MARSHAL_BLOCKS_Y, 1), (MARSHAL_THREADS, 1, 1), values)
 
     def _prepared(self, bufs: tuple, bs: int, n: int, num_heads: int, words: int, kv_capacity: int, dev) -> PreparedStep:
         graph, qo, combined_indptr, combined, prefix_lens, tree_mask = bufs

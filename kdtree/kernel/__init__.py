@@ -23,7 +23,7 @@ from kdtree.kernel.config import (
     source_hash,
     target_arch,
 )
-from kdtree.kernel.launch import MERGE_THREADS, VerifyKernel, check_inputs, launch_dependent, pdl_available
+from kdtree.kernel.launch import MERGE_THREADS, VerifyKernel, check_inputs, device_ptr, launch_dependent, pdl_available
 from kdtree.kernel.nvrtc import (
     KernelResources,
     compile_report,
@@ -75,6 +75,7 @@ __all__ = [
     "compile_report",
     "configs_for",
     "device_arch",
+    "device_ptr",
     "estimated_cost",
     "format_compile_error",
     "launch_dependent",

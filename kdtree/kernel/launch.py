@@ -89,6 +89,11 @@ def launch_dependent(fn, grid: int, block: int, args: tuple, stream: int) -> Non
         raise RuntimeError(f"cuLaunchKernelEx({getattr(fn, 'name', fn)}) failed: CUresult {err}")
 
 
+def device_ptr(t: torch.Tensor | None) -> np.uint64:
+    """A tensor's device address as a CuPy kernel argument (0 for None)."""
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
 # ----- CuPy JIT ----------------------------------------------------------------------------------
 # verify_mla_merge's threads a row (64: two float4 of the row a thread, one wave of the H200 for the small tree's
 # 2,176 rows; 128: one float4, 2.5 % slower there on the H200; docs/kernel-design.md, "Merge")
@@ -199,9 +204,6 @@ class VerifyKernel:
                 self._streams[key] = cp.cuda.ExternalStream(key)
         return self._streams[key]
 
-    def _ptr(self, t: torch.Tensor | None):
-        return np.uint64(0 if t is None else t.data_ptr())
-
     def launch(
         self,
         p: LaunchPlan,
@@ -222,33 +224,33 @@ class VerifyKernel:
                 (p.grid, 1, 1),
                 (p.config.threads, 1, 1),
                 (
-                    self._ptr(q),
-                    self._ptr(kv_buffer),
-                    self._ptr(args.qo_indptr),
-                    self._ptr(args.combined_kv_indptr),
-                    self._ptr(args.combined_kv_indices),
-                    self._ptr(args.prefix_lens),
-                    self._ptr(args.tree_mask),
+                    device_ptr(q),
+                    device_ptr(kv_buffer),
+                    device_ptr(args.qo_indptr),
+                    device_ptr(args.combined_kv_indptr),
+                    device_ptr(args.combined_kv_indices),
+                    device_ptr(args.prefix_lens),
+                    device_ptr(args.tree_mask),
                     i32(p.mask_words),
                     i32(p.num_heads),
                     f32(args.sm_scale),
                     f32(args.logit_cap),
-                    self._ptr(o),
-                    self._ptr(lse),
-                    *(self._ptr(pa[name]) for name in FWD_ARRAYS),
-                    self._ptr(ws.part_o),
-                    self._ptr(ws.part_lse),
-                    self._ptr(ws.rt_counter if p.fused_merge else None),
+                    device_ptr(o),
+                    device_ptr(lse),
+                    *(device_ptr(pa[name]) for name in FWD_ARRAYS),
+                    device_ptr(ws.part_o),
+                    device_ptr(ws.part_lse),
+                    device_ptr(ws.rt_counter if p.fused_merge else None),
                 ),
                 shared_mem=p.config.smem_bytes,
             )
             if p.split and not p.fused_merge:
                 merge_args = (
-                    self._ptr(pa["row_merge"]),
-                    self._ptr(ws.part_o),
-                    self._ptr(ws.part_lse),
-                    self._ptr(o),
-                    self._ptr(lse),
+                    device_ptr(pa["row_merge"]),
+                    device_ptr(ws.part_o),
+                    device_ptr(ws.part_lse),
+                    device_ptr(o),
+                    device_ptr(lse),
                 )
                 if self.pdl:  # its blocks start during the forward kernel's last wave (no launch gap)
                     launch_dependent(merge, p.total_rows, self.merge_threads, merge_args, torch.cuda.current_stream().cuda_stream)

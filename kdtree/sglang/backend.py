@@ -63,8 +63,8 @@ class KdtreeAttnBackend(TritonAttnBackend):
         self._graph_kv_capacity: int | None = None
         self._owned = False  # this step is kdtree's (no Triton metadata unless a layer needs it)
         self._triton_ready = False  # Triton's forward_metadata is this step's
-        self._kdtree_graphs: set[int] = set()  # captured batch sizes whose graph runs no Triton verify kernel
-        self._graph_sizes_with_triton: set[int] = set()  # sizes of which some captured graph ran Triton's
+        # captured batch size -> whether every graph of it ran kdtree alone (then replays skip Triton's hook)
+        self._graph_sizes: dict[int, bool] = {}
         self._graph_capture: tuple[int, list[bool]] | None = None  # (batch size, [kdtree served, Triton served]) in capture
         self._step_table = None  # (req_to_token, row stride) of the step kdtree owns (`step_refusal`)
         log.once(
@@ -91,7 +91,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
         bs = len(forward_batch.req_pool_indices)
         is_verify = forward_batch.forward_mode.is_target_verify()
         if not in_capture:  # a replay: its graph is fixed, whatever this step would choose
-            if is_verify and bs in self._kdtree_graphs:
+            if is_verify and self._graph_sizes.get(bs, False):
                 self._refill_graph_mask(forward_batch)  # all the host work a replayed kdtree step has
                 self._new_step(forward_batch, owned=True)
                 return
@@ -105,8 +105,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
             owned = False  # no mask buffer for the replays to refill (Triton's hook would fail the same way)
             log.once("graph:mask", "Triton's metadata for graph-captured verify steps: no verify mask buffer", logging.INFO)
         if is_verify and not owned:
-            self._kdtree_graphs.discard(bs)
-            self._graph_sizes_with_triton.add(bs)
+            self._graph_sizes[bs] = False
         self._graph_capture = (bs, [False, False]) if owned else None
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
         self._new_step(forward_batch, owned=owned)
@@ -139,12 +138,14 @@ class KdtreeAttnBackend(TritonAttnBackend):
         """After a capture: its batch size replays without Triton's metadata if only kdtree ran in it."""
         if self._graph_capture is not None:
             bs, (kdtree_ran, triton_ran) = self._graph_capture
-            if kdtree_ran and not triton_ran and bs not in self._graph_sizes_with_triton:
-                self._kdtree_graphs.add(bs)
-            else:  # SGLang may hold several graphs of a size (variants): one that ran Triton rules the size out
-                self._kdtree_graphs.discard(bs)
-                self._graph_sizes_with_triton.add(bs)
+            # SGLang may hold several graphs of a size (variants): one that ran Triton rules the size out
+            self._graph_sizes[bs] = self._graph_sizes.get(bs, True) and kdtree_ran and not triton_ran
             self._graph_capture = None
+
+    @property
+    def _kdtree_graphs(self) -> set[int]:
+        """The captured batch sizes whose replays need only kdtree's hook."""
+        return {bs for bs, alone in self._graph_sizes.items() if alone}
 
     def _note_capture(self, kdtree: bool) -> None:
         if self._graph_capture is not None and torch.cuda.is_current_stream_capturing():
@@ -265,16 +266,9 @@ class KdtreeAttnBackend(TritonAttnBackend):
         """Why this step is not kdtree's to serve (None: it is; Triton's metadata then waits until needed)."""
         if self.settings.mode != "serve":
             return f"KDTREE_MODE={self.settings.mode}"
-        if not forward_batch.forward_mode.is_target_verify():
-            return "not TARGET_VERIFY (prefill, decode and draft modes are Triton's)"
-        if not self.use_mla:
-            return "not an MLA model"
-        if self.dcp_size > 1:
-            return "decode context parallelism"
-        if self.enable_deterministic:
-            return "deterministic inference (Triton's unified kernel keeps its bits)"
-        if getattr(forward_batch, "mha_one_shot", False):
-            return "MHA one-shot prefill"
+        reason = self._batch_refusal(forward_batch)
+        if reason is not None:
+            return reason
         if getattr(self, "use_sliding_window_kv_pool", False):
             return "a sliding-window KV pool"
         if getattr(self, "dllm_attention", None) is not None:
@@ -299,14 +293,27 @@ class KdtreeAttnBackend(TritonAttnBackend):
             log.once(f"step:{reason}", f"Triton's metadata for verify steps: {reason}", logging.INFO)
         return reason is None
 
-    def kdtree_refusal(self, q, layer, forward_batch, extra: dict) -> str | None:
-        """Why this call is Triton's, or None when kdtree takes it."""
-        if self.settings.mode == "triton":
-            return "KDTREE_MODE=triton"
+    def _batch_refusal(self, forward_batch) -> str | None:
+        """What rules a batch out whatever its layers: the mode, the model, the server's settings."""
         if not forward_batch.forward_mode.is_target_verify():
             return "not TARGET_VERIFY (prefill, decode and draft modes are Triton's)"
         if not self.use_mla:
             return "not an MLA model"
+        if self.dcp_size > 1:
+            return "decode context parallelism"
+        if self.enable_deterministic:
+            return "deterministic inference (Triton's unified kernel keeps its bits)"
+        if getattr(forward_batch, "mha_one_shot", False):
+            return "MHA one-shot prefill"
+        return None
+
+    def kdtree_refusal(self, q, layer, forward_batch, extra: dict) -> str | None:
+        """Why this call is Triton's, or None when kdtree takes it."""
+        if self.settings.mode == "triton":
+            return "KDTREE_MODE=triton"
+        reason = self._batch_refusal(forward_batch)
+        if reason is not None:
+            return reason
         if layer.qk_head_dim != HEAD_DIM or layer.v_head_dim != V_HEAD_DIM:
             return f"head dims {layer.qk_head_dim}/{layer.v_head_dim}, not absorbed MLA {HEAD_DIM}/{V_HEAD_DIM}"
         if q.dtype != torch.bfloat16 or self.token_to_kv_pool.get_key_buffer(layer.layer_id).dtype != torch.bfloat16:
@@ -323,12 +330,6 @@ class KdtreeAttnBackend(TritonAttnBackend):
             return "xai temperature scaling"
         if layer.logit_cap and layer.logit_capping_method != "tanh":
             return f"logit capping method {layer.logit_capping_method!r}"
-        if self.dcp_size > 1:
-            return "decode context parallelism"
-        if self.enable_deterministic:
-            return "deterministic inference (Triton's unified kernel keeps its bits)"
-        if getattr(forward_batch, "mha_one_shot", False):
-            return "MHA one-shot prefill"
         if self.settings.mode != "serve" and torch.cuda.is_current_stream_capturing():
             return f"CUDA-graph capture in {self.settings.mode} mode (it reads results back; run it with --disable-cuda-graph)"
         if forward_batch.out_cache_loc.numel() != q.shape[0]:

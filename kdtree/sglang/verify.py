@@ -90,14 +90,6 @@ class TableBatch:
     num_draft: int
     kv_capacity: int  # >= sum(seq_lens) + T
 
-    @property
-    def num_tokens(self) -> int:
-        return self.batch_size * self.num_draft
-
-    @property
-    def qo_indptr(self) -> torch.Tensor:
-        return torch.arange(self.batch_size + 1, device=self.seq_lens.device, dtype=torch.int32) * self.num_draft
-
     def prefix_lens(self) -> list[int]:
         """The prefix lengths on the host (reads the device: tests only)."""
         return self.seq_lens[: self.batch_size].cpu().tolist()
