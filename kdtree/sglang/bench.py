@@ -4,8 +4,8 @@ the same run, eager and replayed from CUDA graphs.
 Each case is built with SGLang's attention test kit (`kdtree.sglang.kit`: real ForwardBatch, ReqToTokenPool,
 MLATokenToKVPool, EagleVerifyInput with a DDTree custom mask), random bf16 q and pool (not zeros). Per case:
 - `layer_ms`: GPU time of one layer's `forward_extend` (kdtree's with the step already marshaled and planned),
-  eager and replayed from a CUDA graph of that one layer (`*_graph`), and kdtree's call as a captured step's
-  first layer records it, marshal and plan included (`kdtree_graph_with_marshal_plan`);
+  eager and replayed from a CUDA graph of that one layer (`*_graph`), and kdtree's call recorded with no metadata hook
+  before it, so the layer marshals and plans itself (`kdtree_graph_with_marshal_plan`);
 - `step_metadata_ms`: GPU time of what a verify step does once before its layers: Triton's
   `init_forward_metadata`; kdtree's step (its `init_forward_metadata`, which builds no Triton metadata and
   marshals and plans from SGLang's page table: `kdtree_step`), and marshal + plan alone;
@@ -13,7 +13,7 @@ MLATokenToKVPool, EagleVerifyInput with a DDTree custom mask), random bf16 q and
   `init_forward_metadata_out_graph` before a replay (all the host work a replayed step has: kdtree's refills
   the mask buffer only, `graph_without_triton_metadata` says the captured graph ran no Triton kernel).
 Medians of `triton.testing.do_bench` (L2 flushed) for GPU times; host times are medians of perf_counter
-over 200 calls without a sync.
+over 200 calls, each timed without a sync and followed by one.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def run_case(case: ServingCase, do_bench) -> dict:
         layer_only = lambda: path.launch(step, q.view(-1, H, 576), pool, o_graph, sm_scale=layer.scaling)  # noqa: E731
         out["layer_ms"]["kdtree_graph"] = _graph_ms(layer_only, do_bench)
         out["layer_ms"]["triton_graph"] = _graph_ms(triton_call, do_bench)
-        # the backend's call as a server's graph records it: marshal + plan (the step's first layer) and the layer
+        # the backend's call recorded with no metadata hook before it: marshal + plan prepared in the layer, then the layer
         out["layer_ms"]["kdtree_graph_with_marshal_plan"] = _graph_ms(kdtree_call, do_bench)
         # before a replay: kdtree's hook (its graph ran no Triton kernel: the mask copy only) and Triton's
         out["host_us"]["out_graph_kdtree"] = _host_us(lambda: backend.init_forward_metadata_out_graph(fb))
