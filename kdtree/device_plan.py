@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdtree.kernel import FEW_UNIT_COST, PLAN_ARRAYS, SEGMENT_OVERHEAD_UNITS, KernelConfig, LaunchPlan
+from kdtree.kernel import FEW_UNIT_COST, PLAN_ARRAYS, SEGMENT_OVERHEAD_UNITS, KernelConfig, LaunchPlan, row_tile_key_tiles
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,15 @@ def balanced_split_t(
 def plan_on_device(
     qo_indptr: torch.Tensor,
     combined_kv_indptr: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_mask: torch.Tensor,
     shape: PlanShape,
     *,
-    mask_words: int,
     segment_units: float = SEGMENT_OVERHEAD_UNITS,
     few_unit_cost: float = FEW_UNIT_COST,
 ) -> LaunchPlan:
-    """A `LaunchPlan` (fused merge off) of `shape.grid` blocks for this batch, on the indptrs' device.
+    """A `LaunchPlan` (fused merge off) of `shape.grid` blocks for this batch (its marshaled lengths and tree
+    bits, `kdtree.marshal.VerifyArgs`'s fields), on the indptrs' device.
 
     `units` and `work` are not known on the host (-1 in the returned plan); `segments` is the bound
     `shape.max_segments`, which sizes the workspace and makes `launch` run the merge kernel."""
@@ -93,8 +95,17 @@ def plan_on_device(
     rt_row0 = (rt_ids % r) * cfg.bm
     rows_per_request = shape.num_draft * shape.num_heads
     tile_rows = torch.clamp(rows_per_request - rt_row0, max=cfg.bm)
-    key_tiles = torch.clamp(-(-kv // cfg.bn), min=1)
-    rt_unit_start = torch.cat([kv.new_zeros(1), torch.cumsum(key_tiles[rt_request], 0)])
+    key_tiles = row_tile_key_tiles(
+        tree_mask,
+        qo_indptr[rt_request].long(),
+        rt_row0,
+        tile_rows,
+        prefix_lens[:bs].long()[rt_request],
+        kv[rt_request],
+        shape.num_heads,
+        cfg,
+    )
+    rt_unit_start = torch.cat([kv.new_zeros(1), torch.cumsum(key_tiles, 0)])
     units = rt_unit_start[-1]
     live = torch.clamp(units, max=shape.grid)
     few = torch.ones(R, dtype=torch.float64, device=dev).masked_fill(tile_rows <= cfg.few_row_limit, few_unit_cost)
@@ -121,7 +132,7 @@ def plan_on_device(
         batch_size=bs,
         num_heads=shape.num_heads,
         total_rows=shape.total_rows,
-        mask_words=mask_words,
+        mask_words=int(tree_mask.shape[1]),
         grid=shape.grid,
         units=-1,
         work=-1.0,

@@ -44,8 +44,8 @@ class PreparedStep:
 
 class PlanGraph:
     """`plan_on_device` for one `PlanShape`, captured once as a CUDA graph, with the eager steps' buffers of that
-    shape: the graph's inputs (`qo_indptr`, `combined_kv_indptr`, int32 [bs + 1]) and the marshal kernel's
-    shape-sized outputs (`prefix_lens`, `tree_mask`), which it writes; `replay` refreshes the plan's arrays.
+    shape: its inputs, the marshal kernel's shape-sized outputs (`qo_indptr`, `combined_kv_indptr`, int32
+    [bs + 1], `prefix_lens`, `tree_mask`), which it writes; `replay` refreshes the plan's arrays.
     Steps run in stream order, so one graph and its buffers serve every eager step of the shape: a step's
     `PreparedStep` holds until the next eager step of its shape is prepared. The plan graphs of a path share
     one memory pool: a graph's scratch may overlay another's arrays, which every replay recomputes before its
@@ -57,14 +57,15 @@ class PlanGraph:
         self.combined_kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
         self.prefix_lens = torch.empty(bs, dtype=torch.int32, device=device)
         self.tree_mask = torch.empty(bs * shape.num_draft, mask_words, dtype=torch.int32, device=device)
+        self.inputs = (self.qo_indptr, self.combined_kv_indptr, self.prefix_lens, self.tree_mask)
         self.graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            plan_on_device(self.qo_indptr, self.combined_kv_indptr, shape, mask_words=mask_words)  # warm-up
+            plan_on_device(*self.inputs, shape)  # warm-up
             self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
-                self.plan = plan_on_device(self.qo_indptr, self.combined_kv_indptr, shape, mask_words=mask_words)
+                self.plan = plan_on_device(*self.inputs, shape)
             finally:
                 self.graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(stream)
@@ -221,7 +222,9 @@ class ServingPath:
             logit_cap=0.0,
         )
         if graph is None:  # inside a capture: recorded into the server's graph, with a workspace of its own
-            plan = plan_on_device(qo, combined_indptr, PlanShape(bs, n, num_heads, self.config, self.grid), mask_words=words)
+            plan = plan_on_device(
+                qo, combined_indptr, prefix_lens, tree_mask, PlanShape(bs, n, num_heads, self.config, self.grid)
+            )
             return PreparedStep(args, plan, Workspace.for_plan(plan, dev))
         plan = graph.replay()
         workspace = self._workspace.get(dev)

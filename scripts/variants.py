@@ -67,6 +67,9 @@ VARIANTS = {
     },
     "wgmma_merge_kernel": (KernelConfig.for_arch("sm_90a"), {"fused_merge": False}),
     "wgmma_fused": (KernelConfig.for_arch("sm_90a"), {"fused_merge": True}),
+    # every row tile over all its request's keys, not only up to the last one its rows may see
+    "wgmma_all_keys": (KernelConfig.for_arch("sm_90a"), {"visible_keys": False}),
+    "bm32_all_keys": (KernelConfig(), {"visible_keys": False}),
     # equal unit shares (session 4's plan) instead of shares balanced for segment overheads
     "wgmma_equal": (KernelConfig.for_arch("sm_90a"), {"segment_units": 0}),
     "bm32_equal": (KernelConfig(), {"segment_units": 0}),

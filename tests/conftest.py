@@ -49,6 +49,23 @@ def table_of(cap, *, width_pad: int = 5, seed: int = 0, mask_dtype=None, table_d
     )
 
 
+def visible_key_tiles(qo_indptr, prefix_lens, kv_lens, tree_mask, num_heads: int, bm: int, bn: int, rt_request, rt_row0):
+    """Key tiles each row tile must visit, from the tree bits unpacked one by one (not the planner's word
+    arithmetic): up to the last key any of its rows may see, at least one, never past the request's keys."""
+    import numpy as np
+
+    qo, prefix, kv = (np.asarray(x, dtype=np.int64) for x in (qo_indptr, prefix_lens, kv_lens))
+    bits = np.unpackbits(np.ascontiguousarray(np.asarray(tree_mask, dtype=np.int32)).view(np.uint8), axis=1, bitorder="little")
+    out = []
+    for b, row0 in zip(np.asarray(rt_request), np.asarray(rt_row0)):
+        rows = min(bm, (qo[b + 1] - qo[b]) * num_heads - row0)
+        tokens = qo[b] + np.arange(row0, row0 + rows) // num_heads
+        seen = np.flatnonzero(bits[tokens].any(0))
+        keys = min(prefix[b] + (seen[-1] if len(seen) else -1) + 1, kv[b])
+        out.append(max(1, -(-keys // bn)))
+    return np.array(out, dtype=np.int64)
+
+
 def write_raw(path: Path, tensors: dict[str, torch.Tensor], meta: CaptureMeta, version: int = FORMAT_VERSION) -> Path:
     """Write a capture file without any validation (to build broken ones)."""
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"kdtree": header_json(meta, version)})

@@ -11,7 +11,7 @@ from kdtree.device_plan import PlanShape, plan_on_device
 from kdtree.kernel import KernelConfig, plan
 from kdtree.marshal import marshal
 
-from conftest import SHIPPED, small
+from conftest import SHIPPED, small, visible_key_tiles
 
 CONFIGS = {
     "sm_90a": KernelConfig.for_arch("sm_90"),
@@ -24,7 +24,7 @@ def check_same(args, heads, cfg, grid):
     want = plan(args, heads, grid, cfg, fused_merge=False)  # blocks_per_sm is 1: grid blocks
     n = int(args.max_num_draft)
     shape = PlanShape(args.batch_size, n, heads, cfg, grid)
-    got = plan_on_device(args.qo_indptr, args.combined_kv_indptr, shape, mask_words=int(args.tree_mask.shape[1]))
+    got = plan_on_device(args.qo_indptr, args.combined_kv_indptr, args.prefix_lens, args.tree_mask, shape)
     g = want.grid
     for name in ("rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base", "row_merge"):
         assert torch.equal(got.arrays[name], want.arrays[name]), name
@@ -80,6 +80,7 @@ def check_valid(p, shape):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_device_plan_is_valid_on_random_batches(seed):
+    """Random lengths and tree bits: a valid plan whose row tiles end at the last key their rows may see."""
     import numpy as np
 
     rng = np.random.default_rng(100 + seed)
@@ -87,6 +88,33 @@ def test_device_plan_is_valid_on_random_batches(seed):
     prefix = rng.integers(0, 5000, bs) * (rng.random(bs) < 0.9)
     qo = torch.arange(bs + 1, dtype=torch.int32) * n
     combined = torch.tensor(np.concatenate([[0], np.cumsum(prefix + n)]), dtype=torch.int32)
+    # random visibility, sparse and mostly below the diagonal as a tree's is, some rows seeing no draft key
+    words = (n + 31) // 32
+    bits = (rng.random((bs * n, words * 32)) < rng.choice([0.02, 0.3])) & (np.arange(words * 32) < n)
+    bits &= rng.random((bs * n, 1)) < 0.9
+    tree_mask = torch.from_numpy(np.packbits(bits, axis=1, bitorder="little").view(np.int32).copy())
     cfg = list(CONFIGS.values())[seed % len(CONFIGS)]
     shape = PlanShape(bs, n, heads, cfg, int(rng.integers(1, 400)))
-    check_valid(plan_on_device(qo, combined, shape, mask_words=(n + 31) // 32), shape)
+    p = plan_on_device(qo, combined, torch.from_numpy(prefix.astype(np.int32)), tree_mask, shape)
+    check_valid(p, shape)
+    want = visible_key_tiles(
+        qo, prefix, prefix + n, tree_mask, heads, cfg.bm, cfg.bn, p.arrays["rt_request"], p.arrays["rt_row0"]
+    )
+    assert np.diff(p.arrays["rt_unit_start"].numpy()).tolist() == want.tolist()
+
+
+def test_last_visible_draft_key_reads_every_bit_of_the_words():
+    """The word arithmetic (last nonzero word, its bit length through frexp) against the bits one by one:
+    the sign bit of an int32 word, empty rows, several words, single bits at every position."""
+    import numpy as np
+
+    from kdtree.kernel import last_visible_draft_key
+
+    rng = np.random.default_rng(0)
+    bits = rng.random((200, 96)) < 0.05
+    bits[:96] = np.eye(96, dtype=bool)  # each position alone, 31, 63 and 95 the words' sign bits
+    bits[96:100] = False
+    mask = torch.from_numpy(np.packbits(bits, axis=1, bitorder="little").view(np.int32).copy())
+    want = [int(np.flatnonzero(r)[-1]) if r.any() else -1 for r in bits]
+    assert last_visible_draft_key(mask).tolist() == want
+    assert last_visible_draft_key(torch.zeros(3, 0, dtype=torch.int32)).tolist() == [-1, -1, -1]

@@ -9,7 +9,7 @@ from kdtree.kernel import FEW_UNIT_COST, FUSED_MERGE_SEGS, SEGMENT_OVERHEAD_UNIT
 from kdtree.marshal import marshal
 from kdtree.synth import synthesize
 
-from conftest import SHIPPED
+from conftest import SHIPPED, visible_key_tiles
 
 CASES = [load(p) for p in SHIPPED[:3]] + [synthesize(fuzz_spec(s), reference=False) for s in (1, 2, 5, 11)]
 
@@ -19,8 +19,9 @@ CASES = [load(p) for p in SHIPPED[:3]] + [synthesize(fuzz_spec(s), reference=Fal
 @pytest.mark.parametrize("num_sms", [1, 7, 132, 188])
 @pytest.mark.parametrize("segment_units", [0.0, None, 17.0], ids=["equal", "default", "heavy"])
 def test_every_work_unit_is_done_once_and_shares_are_balanced(cap, config, num_sms, segment_units):
-    """Each unit in exactly one block, each partial slot written once, and the blocks' shares even: equal unit
-    counts with segment_units 0, else equal units + segment_units per segment (within rounding)."""
+    """Each unit in exactly one block, each partial slot written once, each row tile's units its keys up to the
+    last one its rows may see, and the blocks' shares even: equal unit counts with segment_units 0, else equal
+    units + segment_units per segment (within rounding)."""
     args = marshal(cap)
     H = cap.meta.num_heads
     p = plan(args, H, num_sms, config, segment_units=segment_units)
@@ -50,11 +51,12 @@ def test_every_work_unit_is_done_once_and_shares_are_balanced(cap, config, num_s
         seen.setdefault(rt, []).append((k0, k1))
         if slot is not None:
             slots.append(slot)
+    key_tiles = visible_key_tiles(
+        args.qo_indptr, args.prefix_lens, kv, args.tree_mask, H, config.bm, config.bn, a["rt_request"], a["rt_row0"]
+    )
     for rt, ranges in seen.items():
-        b = a["rt_request"][rt]
-        key_tiles = max(1, -(-kv[b] // config.bn))
         ranges.sort()
-        assert ranges[0][0] == 0 and ranges[-1][1] == key_tiles
+        assert ranges[0][0] == 0 and ranges[-1][1] == key_tiles[rt]
         assert all(r0[1] == r1[0] for r0, r1 in zip(ranges, ranges[1:]))  # contiguous, no overlap
         split = len(ranges) > 1
         assert (a["rt_seg_base"][rt + 1] - a["rt_seg_base"][rt] > 0) == split

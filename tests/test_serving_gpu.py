@@ -198,8 +198,8 @@ def test_the_plan_graph_replays_the_plan_op_by_op(path):
         )
         key = (bs, budget + 1, H, 1, step.args.qo_indptr.device)
         assert key in path.plan_graphs and step.plan is path.plan_graphs[key].plan, "the plan came from its graph"
-        shape = PlanShape(bs, budget + 1, H, path.config, path.grid)
-        direct = plan_on_device(step.args.qo_indptr.clone(), step.args.combined_kv_indptr.clone(), shape, mask_words=1)
+        shape, a = PlanShape(bs, budget + 1, H, path.config, path.grid), step.args
+        direct = plan_on_device(*(t.clone() for t in (a.qo_indptr, a.combined_kv_indptr, a.prefix_lens, a.tree_mask)), shape)
         for name, arr in direct.arrays.items():
             assert torch.equal(step.plan.arrays[name], arr), (prefixes, name)
     assert len(path.plan_graphs) <= before + 1, "one plan graph for the one shape"

@@ -284,7 +284,7 @@ def test_padded_rows_as_sglang_pads_them_leave_the_real_rows_alone():
     pool_rows = cap.meta.pool_size + cap.meta.page_size
     assert int(got.combined_kv_indices.max()) < pool_rows and int(got.combined_kv_indices.min()) >= 0
     shape = PlanShape(bs, n, cap.meta.num_heads, KernelConfig.for_arch("sm_90"), 132)
-    p = plan_on_device(got.qo_indptr, got.combined_kv_indptr, shape, mask_words=got.tree_mask.shape[1])
+    p = plan_on_device(got.qo_indptr, got.combined_kv_indptr, got.prefix_lens, got.tree_mask, shape)
     assert int(p.arrays["rt_unit_start"][-1]) == int(p.arrays["cta_unit_start"][-1])  # every unit, padded rows too
 
 

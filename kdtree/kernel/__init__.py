@@ -45,7 +45,9 @@ from kdtree.kernel.planner import (
     balanced_split,
     choose_plan,
     estimated_cost,
+    last_visible_draft_key,
     plan,
+    row_tile_key_tiles,
 )
 
 __all__ = [
@@ -78,6 +80,7 @@ __all__ = [
     "device_ptr",
     "estimated_cost",
     "format_compile_error",
+    "last_visible_draft_key",
     "launch_dependent",
     "nvrtc_arch",
     "nvrtc_compile",
@@ -85,6 +88,7 @@ __all__ = [
     "parse_ptxas",
     "pdl_available",
     "plan",
+    "row_tile_key_tiles",
     "source_files",
     "source_hash",
     "target_arch",

@@ -38,6 +38,7 @@ class LaunchPlan:
     fused_merge: bool  # the last block of each split tile merges it (no verify_mla_merge launch)
     config: KernelConfig
     arrays: dict[str, torch.Tensor] = field(repr=False)
+    visible_keys: bool = True  # row tiles end at the last key their rows may see (`row_tile_key_tiles`)
 
     @property
     def split(self) -> bool:
@@ -77,6 +78,42 @@ SEGMENT_OVERHEAD_UNITS = 5.0
 FEW_UNIT_COST = 0.6
 
 
+def last_visible_draft_key(tree_mask: torch.Tensor) -> torch.Tensor:
+    """Per token, the last draft key its tree-mask row may see (bit j of tree_mask[t] set: draft key j), or -1
+    where it sees none; int64, on the mask's device (torch ops: the host and the device planner share it)."""
+    words = tree_mask.long() & 0xFFFFFFFF
+    if words.shape[1] == 0:
+        return torch.full(words.shape[:1], -1, dtype=torch.int64, device=words.device)
+    idx = torch.arange(words.shape[1], device=words.device)
+    last = torch.where(words != 0, idx, -1).amax(1)
+    word = words.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1)
+    bit_length = torch.frexp(word.double()).exponent.long()  # exact for 32-bit words
+    return torch.where(last >= 0, 32 * last + bit_length - 1, -1)
+
+
+def row_tile_key_tiles(
+    tree_mask: torch.Tensor,
+    rt_token0: torch.Tensor,
+    rt_row0: torch.Tensor,
+    tile_rows: torch.Tensor,
+    prefix: torch.Tensor,
+    kv: torch.Tensor,
+    num_heads: int,
+    config: KernelConfig,
+) -> torch.Tensor:
+    """Key tiles each row tile visits: its request's prefix and its draft keys up to the last one any of its rows
+    may see (a draft key after that is masked for every row of the tile, so skipping it changes no output);
+    never past the request's keys, and at least one (a request with no keys still owns a unit: it writes o = 0).
+    Row tile rt holds rows [rt_row0, rt_row0 + tile_rows) of the request whose first token is rt_token0."""
+    span = (config.bm - 1) // num_heads + 2  # nodes a tile of bm rows can touch
+    lo = rt_row0 // num_heads
+    hi = (rt_row0 + tile_rows - 1) // num_heads
+    nodes = torch.minimum(lo.unsqueeze(1) + torch.arange(span, device=lo.device), hi.unsqueeze(1))
+    last = last_visible_draft_key(tree_mask)[rt_token0.unsqueeze(1) + nodes].amax(1)
+    keys = torch.minimum(prefix + last + 1, kv)
+    return torch.clamp(-(-keys // config.bn), min=1)
+
+
 def balanced_split(rt_unit_start: np.ndarray, grid: int, segment_units: float, rt_weight: np.ndarray | None = None) -> np.ndarray:
     """Block boundaries [grid + 1] over the units that even out each block's work + segment_units per row tile
     it starts or continues (0: equal unit counts). A unit of row tile rt is rt_weight[rt] of work (default 1;
@@ -113,8 +150,11 @@ def plan(
     fused_merge: bool | None = None,
     segment_units: float | None = None,
     few_unit_cost: float = FEW_UNIT_COST,
+    visible_keys: bool = True,
 ) -> LaunchPlan:
-    """Cut the batch into row tiles x key tiles and share the units among the persistent blocks
+    """Cut the batch into row tiles x key tiles (with `visible_keys`, a row tile's keys end at the last draft key
+    its rows may see: `row_tile_key_tiles`; else every row tile takes all its request's keys, which keeps the row
+    tiles of equal requests equal) and share the units among the persistent blocks
     (`config.blocks_per_sm` per SM) so that each block's units plus `segment_units` (default
     SEGMENT_OVERHEAD_UNITS) per segment come out even (`balanced_split`; a request's last row tile costs about as
     much per unit as a full one, measured: weighting it lighter was slower - except a tile of at most
@@ -124,13 +164,20 @@ def plan(
     n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
     kv = (args.combined_kv_indptr[1:] - args.combined_kv_indptr[:-1]).numpy().astype(np.int64)
     row_tiles = -(-n * num_heads // config.bm)
-    key_tiles = np.maximum(1, -(-kv // config.bn))  # a request with no keys still owns a unit: it writes o = 0
     rt_request = np.repeat(np.arange(len(n)), row_tiles)
     rt_row0 = np.concatenate([np.arange(r) * config.bm for r in row_tiles])
-    rt_unit_start = np.concatenate([[0], np.cumsum(key_tiles[rt_request])])
+    tile_rows = np.minimum(config.bm, n[rt_request] * num_heads - rt_row0)
+    if visible_keys:
+        i64 = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))  # noqa: E731
+        qo0, prefix = args.qo_indptr.numpy()[rt_request], args.prefix_lens.numpy()[rt_request]
+        key_tiles = row_tile_key_tiles(
+            args.tree_mask, i64(qo0), i64(rt_row0), i64(tile_rows), i64(prefix), i64(kv[rt_request]), num_heads, config
+        ).numpy()
+    else:
+        key_tiles = np.maximum(1, -(-kv[rt_request] // config.bn))
+    rt_unit_start = np.concatenate([[0], np.cumsum(key_tiles)])
     units = int(rt_unit_start[-1])
     grid = max(1, min(num_sms * config.blocks_per_sm, units))
-    tile_rows = np.minimum(config.bm, n[rt_request] * num_heads - rt_row0)
     rt_weight = np.where(tile_rows <= config.few_row_limit, few_unit_cost, 1.0)
     cta_unit_start = balanced_split(
         rt_unit_start, grid, SEGMENT_OVERHEAD_UNITS if segment_units is None else segment_units, rt_weight
@@ -165,11 +212,12 @@ def plan(
         mask_words=int(args.tree_mask.shape[1]),
         grid=grid,
         units=units,
-        work=float(key_tiles[rt_request] @ rt_weight),
+        work=float(key_tiles @ rt_weight),
         segments=int(rt_seg_base[-1]),
         fused_merge=fused_merge and bool(rt_seg_base[-1] > 0),
         config=config,
         arrays={k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int32)) for k, v in arrays.items()},
+        visible_keys=visible_keys,
     )
 
 
@@ -190,8 +238,10 @@ def estimated_cost(p: LaunchPlan) -> float:
 
 
 def choose_plan(args: VerifyArgs, num_heads: int, num_sms: int, configs: tuple[KernelConfig, ...]) -> LaunchPlan:
-    """Plan the batch with each configuration and keep the cheapest by `estimated_cost` (the first on ties)."""
-    plans = [plan(args, num_heads, num_sms, c) for c in configs]
+    """Plan the batch with each configuration, its row tiles ending at their last visible key and not, and keep
+    the cheapest by `estimated_cost` (the first on ties). Equal row tiles can fill the grid one a block with no
+    split, which tiles of uneven lengths (a big tree's) do not."""
+    plans = [plan(args, num_heads, num_sms, c, visible_keys=v) for c in configs for v in (True, False)]
     return min(plans, key=estimated_cost)
 
 
