@@ -273,7 +273,7 @@ def test_row_tiles_ending_at_their_last_visible_key_give_the_same_bits(target):
             outs.append((o, lse, p.units))
         assert torch.equal(outs[0][0].view(torch.int16), outs[1][0].view(torch.int16)) and torch.equal(outs[0][1], outs[1][1])
         fewer += outs[0][2] < outs[1][2]
-        o, lse = kern.run(args, q, pool)
+        o, lse = kern.run(host_args, q, pool)
         check_against_references(cap, lid, AttnOutput(o, lse))
     assert fewer >= len(caps) // 2, f"only {fewer} of {len(caps)} batches had keys to leave out"
 
