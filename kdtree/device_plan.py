@@ -44,6 +44,13 @@ class PlanShape:
         return self.batch_size * self.num_draft * self.num_heads
 
     @property
+    def visible_keys(self) -> bool:
+        """Row tiles end at the last key their rows may see (`kdtree.kernel.row_tile_key_tiles`) where the draft
+        spans more than 4 key tiles: below that it saves at most a few tiles a row tile, less than its ~8 extra
+        torch ops cost a step (docs/kernel-design.md, "Stream-K plan")."""
+        return self.num_draft > 4 * self.config.bn
+
+    @property
     def max_segments(self) -> int:
         """Partial slots a plan can need: each of the grid - 1 inner block boundaries splits one tile in two."""
         return max(1, 2 * (self.grid - 1))
@@ -95,16 +102,19 @@ def plan_on_device(
     rt_row0 = (rt_ids % r) * cfg.bm
     rows_per_request = shape.num_draft * shape.num_heads
     tile_rows = torch.clamp(rows_per_request - rt_row0, max=cfg.bm)
-    key_tiles = row_tile_key_tiles(
-        tree_mask,
-        qo_indptr[rt_request].long(),
-        rt_row0,
-        tile_rows,
-        prefix_lens[:bs].long()[rt_request],
-        kv[rt_request],
-        shape.num_heads,
-        cfg,
-    )
+    if not shape.visible_keys:
+        key_tiles = torch.clamp(-(-kv[rt_request] // cfg.bn), min=1)
+    else:
+        key_tiles = row_tile_key_tiles(
+            tree_mask,
+            qo_indptr[rt_request].long(),
+            rt_row0,
+            tile_rows,
+            prefix_lens[:bs].long()[rt_request],
+            kv[rt_request],
+            shape.num_heads,
+            cfg,
+        )
     rt_unit_start = torch.cat([kv.new_zeros(1), torch.cumsum(key_tiles, 0)])
     units = rt_unit_start[-1]
     live = torch.clamp(units, max=shape.grid)
@@ -139,5 +149,6 @@ def plan_on_device(
         segments=shape.max_segments,
         fused_merge=False,
         config=cfg,
+        visible_keys=shape.visible_keys,
         arrays={k: v.to(torch.int32) for k, v in arrays.items()},
     )

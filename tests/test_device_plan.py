@@ -21,9 +21,9 @@ CONFIGS = {
 
 
 def check_same(args, heads, cfg, grid):
-    want = plan(args, heads, grid, cfg, fused_merge=False)  # blocks_per_sm is 1: grid blocks
     n = int(args.max_num_draft)
     shape = PlanShape(args.batch_size, n, heads, cfg, grid)
+    want = plan(args, heads, grid, cfg, fused_merge=False, visible_keys=shape.visible_keys)  # grid blocks
     got = plan_on_device(args.qo_indptr, args.combined_kv_indptr, args.prefix_lens, args.tree_mask, shape)
     g = want.grid
     for name in ("rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base", "row_merge"):
@@ -80,15 +80,16 @@ def check_valid(p, shape):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_device_plan_is_valid_on_random_batches(seed):
-    """Random lengths and tree bits: a valid plan whose row tiles end at the last key their rows may see."""
+    """Random lengths and tree bits: a valid plan whose row tiles end at the last key their rows may see where
+    the draft spans more than 4 key tiles, and take all their keys below that."""
     import numpy as np
 
     rng = np.random.default_rng(100 + seed)
-    bs, n, heads = int(rng.integers(1, 40)), int(rng.choice([1, 2, 9, 17, 33, 65, 257])), int(rng.choice([8, 16, 64]))
+    bs, n, heads = int(rng.integers(1, 40)), int(rng.choice([1, 2, 9, 17, 33, 65, 129, 200, 257])), int(rng.choice([8, 16, 64]))
     prefix = rng.integers(0, 5000, bs) * (rng.random(bs) < 0.9)
     qo = torch.arange(bs + 1, dtype=torch.int32) * n
     combined = torch.tensor(np.concatenate([[0], np.cumsum(prefix + n)]), dtype=torch.int32)
-    # random visibility, sparse and mostly below the diagonal as a tree's is, some rows seeing no draft key
+    # random visibility, sparse or dense, some rows seeing no draft key
     words = (n + 31) // 32
     bits = (rng.random((bs * n, words * 32)) < rng.choice([0.02, 0.3])) & (np.arange(words * 32) < n)
     bits &= rng.random((bs * n, 1)) < 0.9
@@ -97,9 +98,11 @@ def test_device_plan_is_valid_on_random_batches(seed):
     shape = PlanShape(bs, n, heads, cfg, int(rng.integers(1, 400)))
     p = plan_on_device(qo, combined, torch.from_numpy(prefix.astype(np.int32)), tree_mask, shape)
     check_valid(p, shape)
-    want = visible_key_tiles(
-        qo, prefix, prefix + n, tree_mask, heads, cfg.bm, cfg.bn, p.arrays["rt_request"], p.arrays["rt_row0"]
-    )
+    rt_request = p.arrays["rt_request"].numpy()
+    if shape.visible_keys:  # drafts of more than 4 key tiles
+        want = visible_key_tiles(qo, prefix, prefix + n, tree_mask, heads, cfg.bm, cfg.bn, rt_request, p.arrays["rt_row0"])
+    else:
+        want = np.maximum(1, -(-(prefix + n)[rt_request] // cfg.bn))
     assert np.diff(p.arrays["rt_unit_start"].numpy()).tolist() == want.tolist()
 
 
