@@ -2,8 +2,10 @@
 that depend only on (batch size, N, heads, configuration, grid): what a CUDA graph needs, since the plan is
 then recorded into the graph and rebuilt on the GPU at every replay from the new prefix lengths.
 
-The grid is fixed (`grid` blocks); a batch with fewer work units than blocks leaves the trailing blocks
-empty (`cta_unit_start` repeats the unit count; the kernel's loop does not run for them). Row tiles are
+Where the draft spans more than 4 key tiles, row tiles end at the last key their rows may see, read from the
+marshaled tree bits (`PlanShape.visible_keys`; the host planner's `visible_keys`). The grid is fixed (`grid`
+blocks); a batch with fewer work units than blocks leaves the trailing blocks empty (`cta_unit_start` repeats
+the unit count; the kernel's loop does not run for them). Row tiles are
 never split across an empty block, so the partial slots are those `kdtree.kernel.plan` would give. The
 arithmetic is the host planner's in float64; where a boundary lands on a float rounding of the balanced
 work, a different order of summation (torch's, the GPU's) can move it by one unit, which changes the balance
