@@ -121,3 +121,15 @@ def test_last_visible_draft_key_reads_every_bit_of_the_words():
     want = [int(np.flatnonzero(r)[-1]) if r.any() else -1 for r in bits]
     assert last_visible_draft_key(mask).tolist() == want
     assert last_visible_draft_key(torch.zeros(3, 0, dtype=torch.int32)).tolist() == [-1, -1, -1]
+
+
+def test_lengths_that_disagree_with_the_mask_stay_inside_it():
+    """A request shorter than the shape's N (lengths a server's scratch rows may hold): the device plan reads
+    the mask's last row for the missing tokens instead of indexing past it, and still walks every unit once."""
+    n, bs = 130, 2
+    qo = torch.tensor([0, 131, 260], dtype=torch.int32)  # the shape says 2 x 130 tokens
+    combined = torch.tensor([0, 141, 280], dtype=torch.int32)
+    shape = PlanShape(bs, n, 8, KernelConfig(), 8)
+    assert shape.visible_keys
+    p = plan_on_device(qo, combined, torch.tensor([10, 10], dtype=torch.int32), torch.zeros(bs * n, 5, dtype=torch.int32), shape)
+    check_valid(p, shape)

@@ -206,10 +206,13 @@ def test_the_plan_graph_replays_the_plan_op_by_op(path):
     assert path.plan_graph_error is None
 
 
-def test_the_page_table_path_replays_new_lengths_bit_equal_to_eager(path):
+@pytest.mark.parametrize("budget", [16, 160], ids=["N17", "N161"])
+def test_the_page_table_path_replays_new_lengths_bit_equal_to_eager(path, budget):
     """A graph captured once over SGLang's page table (the backend's own metadata) replays batches of other
-    prefix lengths (rows of prefix 1 among them: the length SGLang's graph runner pads with), bit-equal to the eager step and within 5e-3 of fp64."""
-    bs, budget, H = 4, 16, 8
+    prefix lengths (rows of prefix 1 among them: the length SGLang's graph runner pads with), bit-equal to the
+    eager step and within 5e-3 of fp64 - with a short draft, and with one over 4 key tiles, whose plan ends row
+    tiles at their last visible key (the mask reduction recorded in the graph)."""
+    bs, H = 4, 8
     n = budget + 1
     caps = [
         small(batch_size=bs, budget=budget, prefix_lens=p, seed=s)

@@ -104,12 +104,17 @@ def row_tile_key_tiles(
     """Key tiles each row tile visits: its request's prefix and its draft keys up to the last one any of its rows
     may see (a draft key after that is masked for every row of the tile, so skipping it changes no output);
     never past the request's keys, and at least one (a request with no keys still owns a unit: it writes o = 0).
-    Row tile rt holds rows [rt_row0, rt_row0 + tile_rows) of the request whose first token is rt_token0."""
+    Row tile rt holds rows [rt_row0, rt_row0 + tile_rows) of the request whose first token is rt_token0; tokens
+    are clamped into the mask's rows, so lengths that disagree with it (a server's scratch rows) read a wrong
+    row, never past the buffer."""
     span = (config.bm - 1) // num_heads + 2  # nodes a tile of bm rows can touch
     lo = rt_row0 // num_heads
     hi = (rt_row0 + tile_rows - 1) // num_heads
     nodes = torch.minimum(lo.unsqueeze(1) + torch.arange(span, device=lo.device), hi.unsqueeze(1))
-    last = last_visible_draft_key(tree_mask)[rt_token0.unsqueeze(1) + nodes].amax(1)
+    if tree_mask.shape[0] == 0:
+        return torch.clamp(-(-torch.minimum(prefix, kv) // config.bn), min=1)
+    tokens = (rt_token0.unsqueeze(1) + nodes).clamp(0, tree_mask.shape[0] - 1)
+    last = last_visible_draft_key(tree_mask)[tokens].amax(1)
     keys = torch.minimum(prefix + last + 1, kv)
     return torch.clamp(-(-keys // config.bn), min=1)
 
