@@ -151,6 +151,5 @@ def plan_on_device(
         segments=shape.max_segments,
         fused_merge=False,
         config=cfg,
-        visible_keys=shape.visible_keys,
         arrays={k: v.to(torch.int32) for k, v in arrays.items()},
     )

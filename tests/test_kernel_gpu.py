@@ -267,9 +267,9 @@ def test_row_tiles_ending_at_their_last_visible_key_give_the_same_bits(target):
         T, H = cap.num_tokens, cap.meta.num_heads
         outs = []
         for visible in (True, False):
-            p = plan(host_args, H, 1, config, visible_keys=visible)
+            p = plan(host_args, H, 1, config, visible_keys=visible).to("cuda")
             o, lse = poisoned((T, H, 512), "cuda"), torch.empty(T, H, device="cuda")
-            kern.launch(p.to("cuda"), args, q, pool, o, lse, Workspace.for_plan(p.to("cuda")))
+            kern.launch(p, args, q, pool, o, lse, Workspace.for_plan(p))
             outs.append((o, lse, p.units))
         assert torch.equal(outs[0][0].view(torch.int16), outs[1][0].view(torch.int16)) and torch.equal(outs[0][1], outs[1][1])
         fewer += outs[0][2] < outs[1][2]

@@ -38,7 +38,6 @@ class LaunchPlan:
     fused_merge: bool  # the last block of each split tile merges it (no verify_mla_merge launch)
     config: KernelConfig
     arrays: dict[str, torch.Tensor] = field(repr=False)
-    visible_keys: bool = True  # row tiles end at the last key their rows may see (`row_tile_key_tiles`)
 
     @property
     def split(self) -> bool:
@@ -111,8 +110,6 @@ def row_tile_key_tiles(
     lo = rt_row0 // num_heads
     hi = (rt_row0 + tile_rows - 1) // num_heads
     nodes = torch.minimum(lo.unsqueeze(1) + torch.arange(span, device=lo.device), hi.unsqueeze(1))
-    if tree_mask.shape[0] == 0:
-        return torch.clamp(-(-torch.minimum(prefix, kv) // config.bn), min=1)
     tokens = (rt_token0.unsqueeze(1) + nodes).clamp(0, tree_mask.shape[0] - 1)
     last = last_visible_draft_key(tree_mask)[tokens].amax(1)
     keys = torch.minimum(prefix + last + 1, kv)
@@ -222,7 +219,6 @@ def plan(
         fused_merge=fused_merge and bool(rt_seg_base[-1] > 0),
         config=config,
         arrays={k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int32)) for k, v in arrays.items()},
-        visible_keys=visible_keys,
     )
 
 
