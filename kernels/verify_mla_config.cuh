@@ -35,6 +35,10 @@
 #ifndef VMLA_WG_PIPE
 #define VMLA_WG_PIPE 0    // wgmma body: 1 = QK of tile t and P V of tile t-1 in flight together (3 stages)
 #endif
+#ifndef VMLA_WG_SPLIT_KEYS
+#define VMLA_WG_SPLIT_KEYS 0  // wgmma body: 1 = each warpgroup scores its own 32-key tile of a 64-key step over all
+                              // 576 dims (no partial scores to exchange; 4 stages); 0 = both split one tile's dims
+#endif
 #ifndef VMLA_KPASSES
 #define VMLA_KPASSES 1    // QK of a warp's keys in this many passes (fewer live score registers)
 #endif

@@ -3,12 +3,15 @@
 // path. Same arithmetic contract as that path (fp32 scores and accumulators, bf16 P, online softmax in the log2
 // domain with an exact running max), so the two agree to bf16 rounding, not bit for bit.
 //
-// Block: 64 rows (node, head) x BN = 32 keys per tile, two warpgroups.
-//   QK:  each warpgroup takes half of the 36 k16 steps over the 576 dims (wgmma m64n32k16, A = Q and B = K both
-//        from shared memory), writes its fp32 partial to shared memory and adds the other's: both then hold the
-//        full scores of all 64 rows and run the same softmax on them (registers, 2 rows x 8 keys a thread).
-//   PV:  warpgroup g accumulates output columns [256 g, 256 g + 256) (wgmma m64n256k16, A = P from registers,
-//        B = V from shared memory, N-major): 128 fp32 accumulators a thread.
+// Block: 64 rows (node, head), two warpgroups, 32-key tiles; two loops over them:
+//   split keys (VMLA_WG_SPLIT_KEYS, the default; verify_segment_split_keys): a step is two tiles, warpgroup g
+//        scores tile g over all 576 dims (wgmma m64n32k16, A = Q and B = K both from shared memory), the two
+//        trade row maxima and then P, and each accumulates its output columns over both tiles.
+//   split dims (verify_segment): each warpgroup takes half of the 36 k16 steps of one tile, writes its fp32
+//        partial to shared memory and adds the other's: both then hold the full scores of all 64 rows and run
+//        the same softmax on them (registers, 2 rows x 8 keys a thread); optionally pipelined (VMLA_WG_PIPE).
+//   PV (both): warpgroup g accumulates output columns [256 g, 256 g + 256) (wgmma m64n256k16, A = P from
+//        registers, B = V from shared memory, N-major): 128 fp32 accumulators a thread.
 // Shared memory holds Q and each K/V stage as 9 "atoms" of 64 dims (128 B a row) in the 128-byte swizzle the
 // tensor cores read (16-byte chunk c of row r at chunk c ^ (r % 8)); the same bytes are K (K-major B operand of
 // QK) and V (N-major B operand of PV).
@@ -26,8 +29,12 @@ constexpr int SX_STRIDE = BN + 8;               // fp32 per row of a partial-sco
 // Rows of tile t + LOAD_AHEAD are requested at tile t (the pipelined loop keeps one more stage for the P V in
 // flight); their slot ids SLOT_AHEAD tiles ahead, so they have landed by then.
 constexpr int LOAD_AHEAD = VMLA_STAGES - 1 - (VMLA_WG_PIPE ? 1 : 0);
-constexpr int SLOT_AHEAD = 2 * LOAD_AHEAD, IDX_RING = 2 * VMLA_STAGES;
+constexpr int SLOT_AHEAD = 2 * LOAD_AHEAD;
+// The split-key loop holds the slot ids of 4 tiles and fetches 2 more (and its few-row tiles keep 4 ahead).
+constexpr int IDX_RING = VMLA_WG_SPLIT_KEYS ? 5 : 2 * VMLA_STAGES;
 static_assert(LOAD_AHEAD >= 1, "the pipelined loop needs 3 stages");
+static_assert(!VMLA_WG_SPLIT_KEYS || (VMLA_STAGES == 4 && VMLA_WG_PIPE == 0),
+              "the split-key loop is 4 stages: a 64-key step and the next, loaded a step ahead");
 static_assert(VMLA_WG_PIPE == 0 || VMLA_WG_PIPE == 1, "VMLA_WG_PIPE: 0 (QK then P V per tile) or 1 (pipelined)");
 static_assert(BN == 32, "the score fragments, the mask word and the PV k-steps assume 32-key tiles");
 static_assert(VMLA_BM == 64 && VMLA_WARPS == 8, "the wgmma path is 64 rows, two warpgroups");
@@ -35,8 +42,12 @@ static_assert(VMLA_BM == 64 && VMLA_WARPS == 8, "the wgmma path is 64 rows, two 
 struct Smem {
   __nv_bfloat16 q[ATOMS][BM][64];               // 1024-byte aligned atoms (the block's base is)
   __nv_bfloat16 kv[VMLA_STAGES][ATOMS][BN][64];
-  __nv_bfloat16 p[2][BM][BN];                   // the few-row segment's P (and scratch)
+  __nv_bfloat16 p[2][BM][BN];                   // the few-row segment's P; the split-key loop's P fragments
+#if VMLA_WG_SPLIT_KEYS
+  float s[2][BM][2];                            // each warpgroup's row maxima and sums (then the fused merge's weights)
+#else
   float s[2][BM][SX_STRIDE];                    // each warpgroup's partial scores (then the fused merge's weights)
+#endif
   int idx[IDX_RING][BN];
   int flag[4];
 };
@@ -139,15 +150,11 @@ __device__ __forceinline__ void load_kv_tile(Smem& sm, int stage, int slot, cons
 #endif
 }
 
-// One row's softmax step on a thread's 8 scores of it (keys 8 j + 2 t + e of the tile, j < 4, e < 2; the
-// row's 4 threads are adjacent lanes): scale, cap, mask (bit c of vis: key k0 + c visible), online max and sum.
-// x becomes p; returns alpha. l is this thread's share of the row's sum (the 4 shares are added at the end).
-__device__ __forceinline__ float softmax_row(RowState& st, float* x, uint32_t vis, const Args& a, int tig) {
-#ifdef VMLA_SKIP_SOFTMAX  // timing experiment: P = scores, no mask/max/exp/sums
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] *= 1e-3f;
-  st.l = 1.f;
-  return 1.f;
+// A thread's 8 scores of one row (keys 8 j + 2 t + e of the tile, j < 4, e < 2; the row's 4 threads are
+// adjacent lanes) scaled, capped and masked (bit c of vis: key k0 + c visible); returns their max over the row.
+__device__ __forceinline__ float masked_row_max(float* x, uint32_t vis, const Args& a, int tig) {
+#ifdef VMLA_SKIP_SOFTMAX  // timing experiment (with row_exp's): P = scores, no mask/max/exp/sums
+  return 0.f;
 #endif
   if (a.logit_cap > 0.f) {  // a uniform branch: without it every score would pay for tanhf
 #pragma unroll
@@ -165,7 +172,18 @@ __device__ __forceinline__ float softmax_row(RowState& st, float* x, uint32_t vi
     tile_max = fmaxf(tile_max, x[i]);
   }
   tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-  tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+  return fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+}
+
+// The online-softmax update of one row, given the max of every score the step covers of it (tile_max): x becomes
+// p = 2^(x - m); returns alpha. l is this thread's share of the row's sum (the 4 shares are added at the end).
+__device__ __forceinline__ float row_exp(RowState& st, float* x, float tile_max) {
+#ifdef VMLA_SKIP_SOFTMAX
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] *= 1e-3f;
+  st.l = 1.f;
+  return 1.f;
+#endif
   const bool grow = tile_max > st.m;
   const float m_new = grow ? tile_max : st.m;
   const float m_use = m_new == VMLA_NEG_INF ? 0.f : m_new;
@@ -181,31 +199,118 @@ __device__ __forceinline__ float softmax_row(RowState& st, float* x, uint32_t vi
   return alpha;
 }
 
+// One row's softmax step on a thread's 8 scores of a tile: mask, max, online update (x becomes p; alpha).
+__device__ __forceinline__ float softmax_row(RowState& st, float* x, uint32_t vis, const Args& a, int tig) {
+  return row_exp(st, x, masked_row_max(x, vis, a, tig));
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// This warpgroup's 18 k-steps of S = Q K^T (asynchronous: one commit group). WG is a template argument so
-// every descriptor offset is a constant added to two base descriptors (otherwise the compiler precomputes the
-// 36 64-bit descriptors per thread and holds them in registers).
-template <int WG>
-__device__ __forceinline__ void issue_qk(float (&s)[NT][4], uint64_t dq, uint64_t dk) {
+// k-steps [K0, K0 + STEPS) of S = Q K^T for this warpgroup (asynchronous: one commit group). The steps are
+// template arguments so every descriptor offset is a constant added to two base descriptors (otherwise the
+// compiler precomputes the 36 64-bit descriptors per thread and holds them in registers).
+template <int K0, int STEPS>
+__device__ __forceinline__ void issue_qk_steps(float (&s)[NT][4], uint64_t dq, uint64_t dk) {
 #pragma unroll
   for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
   wg_fence();
 #ifndef VMLA_SKIP_QK
 #pragma unroll
-  for (int i = 0; i < KSTEPS_PER_WG; ++i) {
-    const int ks = WG * KSTEPS_PER_WG + i, atom = ks / 4, kbytes = (ks % 4) * 32;
+  for (int i = 0; i < STEPS; ++i) {
+    const int ks = K0 + i, atom = ks / 4, kbytes = (ks % 4) * 32;
     wgmma_qk(s, dq + ((atom * BM * 128 + kbytes) >> 4), dk + ((atom * BN * 128 + kbytes) >> 4), i > 0);
   }
 #endif
   wg_commit();
 }
+// This warpgroup's half of the dims (18 k-steps) of the tile in `stage`.
 __device__ __forceinline__ void issue_qk(float (&s)[NT][4], Smem& sm, int stage, int wg) {
   const uint64_t dq = desc(&sm.q[0][0][0], 16, 1024), dk = desc(&sm.kv[stage][0][0][0], 16, 1024);
-  if (wg == 0) issue_qk<0>(s, dq, dk); else issue_qk<1>(s, dq, dk);
+  if (wg == 0) issue_qk_steps<0, KSTEPS_PER_WG>(s, dq, dk); else issue_qk_steps<KSTEPS_PER_WG, KSTEPS_PER_WG>(s, dq, dk);
+}
+
+// acc += P V for warpgroup wg's 256 output columns over the 32 keys of the tile in `stage`, P (both k16 steps)
+// from registers (asynchronous: one commit group).
+__device__ __forceinline__ void issue_pv(float (&acc)[PV_N / 8][4], const uint32_t (&pa)[2][4], Smem& sm, int stage, int wg) {
+  wg_fence();
+#ifndef VMLA_SKIP_PV
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) wgmma_pv(acc, pa[kk], desc(&sm.kv[stage][wg * 4][kk * 16][0], BN * 128, 1024));
+#endif
+  wg_commit();
+}
+
+// This thread's two rows of a 64-row tile (r_lo = 16 warp + lane / 4 and r_lo + 8) and their tokens.
+struct WgRows {
+  int r_lo, token[2];
+  bool valid[2];
+  __device__ __forceinline__ WgRows(const SegmentRows& seg, int row0, int num_heads, int warp, int g) : r_lo(warp * 16 + g) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      valid[h] = r_lo + 8 * h < seg.valid_rows;
+      token[h] = seg.q0 + (valid[h] ? (row0 + r_lo + 8 * h) / num_heads : 0);
+    }
+  }
+};
+
+// A score fragment (n8 tiles j: rows r_lo, r_lo + 8) as the two rows' 8 scores each.
+__device__ __forceinline__ void score_rows(const float (&s)[NT][4], float (&x)[2][8]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    x[0][j * 2] = s[j][0]; x[0][j * 2 + 1] = s[j][1];
+    x[1][j * 2] = s[j][2]; x[1][j * 2 + 1] = s[j][3];
+  }
+}
+// The accumulator rows times their alpha (skipped where neither row moved its max).
+__device__ __forceinline__ void rescale_rows(float (&acc)[PV_N / 8][4], const float (&alpha)[2]) {
+  if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+    for (int i = 0; i < PV_N / 8; ++i) {
+      acc[i][0] *= alpha[0]; acc[i][1] *= alpha[0];
+      acc[i][2] *= alpha[1]; acc[i][3] *= alpha[1];
+    }
+  }
+}
+// The two rows' p (8 keys each) as the A fragments of P V's two k16 steps.
+__device__ __forceinline__ void pack_p(const float (&x)[2][8], uint32_t (&pa)[2][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    pa[kk][0] = pack_bf16(x[0][4 * kk], x[0][4 * kk + 1]);
+    pa[kk][1] = pack_bf16(x[1][4 * kk], x[1][4 * kk + 1]);
+    pa[kk][2] = pack_bf16(x[0][4 * kk + 2], x[0][4 * kk + 3]);
+    pa[kk][3] = pack_bf16(x[1][4 * kk + 2], x[1][4 * kk + 3]);
+  }
+}
+
+// Epilogue of warpgroup wg's 256 output columns for this thread's two rows (st[h].l: the row's whole sum):
+// o, or the partial out_o[64][512]; the LSE from warpgroup 0.
+__device__ __forceinline__ void store_rows(const float (&acc)[PV_N / 8][4], const RowState (&st)[2], const WgRows& rows,
+                                           int wg, int tig, const Args& a, int64_t grow0, float* out_o, float* out_lse) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = rows.r_lo + 8 * h;
+    if (!rows.valid[h]) continue;
+    if (wg == 0 && tig == 0) store_row_lse(a, st[h], grow0, r, out_o, out_lse);
+    const float inv = st[h].l > 0.f ? 1.f / st[h].l : 0.f;
+#pragma unroll
+    for (int i = 0; i < PV_N / 8; ++i) {
+      const int c = wg * PV_N + i * 8 + tig * 2;
+      const float v0 = acc[i][2 * h] * inv, v1 = acc[i][2 * h + 1] * inv;
+      if (out_o == nullptr) {
+        *reinterpret_cast<__nv_bfloat162*>(&a.o[(grow0 + r) * VMLA_VDIM + c]) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        *reinterpret_cast<float2*>(&out_o[r * VMLA_VDIM + c]) = make_float2(v0, v1);
+      }
+    }
+  }
+}
+// A row's sum from its 4 threads' shares (adjacent lanes).
+__device__ __forceinline__ void sum_row_shares(RowState& st) {
+  st.l += __shfl_xor_sync(0xffffffffu, st.l, 1);
+  st.l += __shfl_xor_sync(0xffffffffu, st.l, 2);
 }
 
 // A segment's first loads: its Q rows (QROWS, swizzled; rows past the request zero-filled) and the slot ids of
@@ -234,7 +339,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
                                                float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
   const int num_heads = a.num_heads;
   const SegmentRows seg(a, b, row0);
-  const int q0 = seg.q0, prefix = seg.prefix, valid_rows = seg.valid_rows;
+  const int prefix = seg.prefix, valid_rows = seg.valid_rows;
   const int* kv_idx = seg.kv_idx;
   const int64_t grow0 = seg.grow0;
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4, tig = lane % 4;
@@ -242,15 +347,8 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
 
   start_segment<BM, SLOT_AHEAD, LOAD_AHEAD>(sm, a, seg, row0, k_begin, k_end, num_tiles);
 
-  // this thread's two rows (tile rows r_lo, r_lo + 8) and their tokens
-  const int r_lo = warp * 16 + g;
-  int token[2];
-  bool valid[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    valid[h] = r_lo + 8 * h < valid_rows;
-    token[h] = q0 + (valid[h] ? (row0 + r_lo + 8 * h) / num_heads : 0);
-  }
+  const WgRows rows(seg, row0, num_heads, warp, g);
+  const int r_lo = rows.r_lo;
   RowState st[2];
   float acc[PV_N / 8][4];
 #pragma unroll
@@ -270,23 +368,10 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   };
   // this warpgroup's 18 k-steps of QK for the tile in `stage` (asynchronous: one commit group)
   auto issue_qk = [&](float (&s)[NT][4], int stage) { vmla_wg::issue_qk(s, sm, stage, wg); };
-  // P V for this warpgroup's 256 columns over the tile in `stage` (asynchronous: one commit group)
-  [[maybe_unused]] auto issue_pv = [&](const uint32_t (&pa)[2][4], int stage) {
-    wg_fence();
-#ifndef VMLA_SKIP_PV
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) wgmma_pv(acc, pa[kk], desc(&sm.kv[stage][wg * 4][kk * 16][0], BN * 128, 1024));
-#endif
-    wg_commit();
-  };
   // exchange the partial scores: both warpgroups get the full sum (part 0 + part 1, the same bits)
   auto scores = [&](const float (&s)[NT][4], float (&x)[2][8]) {
 #ifdef VMLA_SKIP_EXCHANGE  // timing experiment: this warpgroup's partial only (no shared memory, no barrier)
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      x[0][j * 2] = s[j][0]; x[0][j * 2 + 1] = s[j][1];
-      x[1][j * 2] = s[j][2]; x[1][j * 2 + 1] = s[j][3];
-    }
+    score_rows(s, x);
     return;
 #endif
 #pragma unroll
@@ -308,25 +393,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   auto softmax = [&](float (&x)[2][8], int t, float (&alpha)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      alpha[h] = softmax_row(st[h], x[h], visible_keys<BN>(a, k_begin + t * BN, k_end, prefix, valid[h], token[h]), a, tig);
-  };
-  auto rescale = [&](const float (&alpha)[2]) {
-    if (alpha[0] != 1.f || alpha[1] != 1.f) {
-#pragma unroll
-      for (int i = 0; i < PV_N / 8; ++i) {
-        acc[i][0] *= alpha[0]; acc[i][1] *= alpha[0];
-        acc[i][2] *= alpha[1]; acc[i][3] *= alpha[1];
-      }
-    }
-  };
-  [[maybe_unused]] auto pack = [&](const float (&x)[2][8], uint32_t (&pa)[2][4]) {
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      pa[kk][0] = pack_bf16(x[0][4 * kk], x[0][4 * kk + 1]);
-      pa[kk][1] = pack_bf16(x[1][4 * kk], x[1][4 * kk + 1]);
-      pa[kk][2] = pack_bf16(x[0][4 * kk + 2], x[0][4 * kk + 3]);
-      pa[kk][3] = pack_bf16(x[1][4 * kk + 2], x[1][4 * kk + 3]);
-    }
+      alpha[h] = softmax_row(st[h], x[h], visible_keys<BN>(a, k_begin + t * BN, k_end, prefix, rows.valid[h], rows.token[h]), a, tig);
   };
 
   float s[NT][4], x[2][8], alpha[2];
@@ -334,8 +401,8 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   // Software pipeline: QK of tile t and P V of tile t-1 are issued together; the exchange and the softmax of
   // tile t run while P V of tile t-1 is on the tensor cores (its V stays in its stage: 3 stages).
 #if VMLA_WG_PIPE == 1
-  auto stash_p = [&](const float (&x)[2][8], int) { pack(x, pa); };
-  auto issue_pv_of = [&](int t) { issue_pv(pa, t % VMLA_STAGES); };
+  auto stash_p = [&](const float (&x)[2][8], int) { pack_p(x, pa); };
+  auto issue_pv_of = [&](int t) { issue_pv(acc, pa, sm, t % VMLA_STAGES, wg); };
   auto pv_done = [&]() {  // the accumulators and P's registers are free again
     fence_operands(acc);
     fence_operands(pa);
@@ -361,7 +428,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
       softmax(x, t, alpha);
       wg_wait<0>();  // P V of tile t-1
       pv_done();
-      rescale(alpha);
+      rescale_rows(acc, alpha);
       stash_p(x, t);
     }
     issue_pv_of(num_tiles - 1);
@@ -377,9 +444,9 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     fence_operands(s);
     scores(s, x);
     softmax(x, t, alpha);
-    rescale(alpha);
-    pack(x, pa);
-    issue_pv(pa, stage);
+    rescale_rows(acc, alpha);
+    pack_p(x, pa);
+    issue_pv(acc, pa, sm, stage, wg);
     wg_wait<0>();
     fence_operands(acc);
     fence_operands(pa);
@@ -389,28 +456,101 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   VMLA_MARK(3);
   // ---- epilogue: the row sums (4 shares), o or the partial, lse ----
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    st[h].l += __shfl_xor_sync(0xffffffffu, st[h].l, 1);
-    st[h].l += __shfl_xor_sync(0xffffffffu, st[h].l, 2);
-    const int r = r_lo + 8 * h;
-    if (wg == 0 && tig == 0 && valid[h]) store_row_lse(a, st[h], grow0, r, out_o, out_lse);
-    if (!valid[h]) continue;
-    const float inv = st[h].l > 0.f ? 1.f / st[h].l : 0.f;
-#pragma unroll
-    for (int i = 0; i < PV_N / 8; ++i) {
-      const int c = wg * PV_N + i * 8 + tig * 2;
-      const float v0 = acc[i][2 * h] * inv, v1 = acc[i][2 * h + 1] * inv;
-      if (out_o == nullptr) {
-        *reinterpret_cast<__nv_bfloat162*>(&a.o[(grow0 + r) * VMLA_VDIM + c]) = __floats2bfloat162_rn(v0, v1);
-      } else {
-        *reinterpret_cast<float2*>(&out_o[r * VMLA_VDIM + c]) = make_float2(v0, v1);
-      }
-    }
-  }
+  for (int h = 0; h < 2; ++h) sum_row_shares(st[h]);
+  store_rows(acc, st, rows, wg, tig, a, grow0, out_o, out_lse);
   merge(grow0, valid_rows);
   cp_async_wait_all();
   __syncthreads();
 }
+
+#if VMLA_WG_SPLIT_KEYS
+// ---- warpgroups on their own tiles (VMLA_WG_SPLIT_KEYS) ----
+// A step is 64 keys, two tiles: warpgroup g scores tile 2 i + g over all 576 dims (36 wgmma m64n32k16), so no
+// partial scores cross between them and each runs the softmax of its own tile only. The two trade their rows'
+// maxima (both then take the same reference max, so alpha and the running max are the same in both), each
+// exponentiates its tile, and they trade P as bf16 A fragments (4 KB each way): each accumulates its 256 output
+// columns over both tiles, P V of its own tile issued before the trade. Each keeps its own tiles' share of
+// the row sums; the two are added at the end. Four stages: this step's two tiles and the next step's, loaded a
+// whole step ahead. A segment with an odd number of tiles gives its last step a zero-filled second tile.
+template <class Merge>
+__device__ __forceinline__ void verify_segment_split_keys(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
+                                                          float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
+  const SegmentRows seg(a, b, row0);
+  const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, tig = lane % 4;
+  const int num_tiles = (k_end - k_begin + BN - 1) / BN, padded_tiles = num_tiles + (num_tiles & 1);
+
+  start_segment<BM, 4, 2>(sm, a, seg, row0, k_begin, k_end, padded_tiles);
+  const WgRows rows(seg, row0, a.num_heads, warp, lane / 4);
+  RowState st[2];
+  float acc[PV_N / 8][4];
+#pragma unroll
+  for (int i = 0; i < PV_N / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  // P fragments, [warpgroup][warp][k16 step][register][lane]: a thread reads the other warpgroup's at its own place
+  uint32_t* pf_mine = reinterpret_cast<uint32_t*>(&sm.p[0][0][0]) + (wg * 4 + warp) * 8 * 32 + lane;
+  const uint32_t* pf_other = reinterpret_cast<uint32_t*>(&sm.p[0][0][0]) + ((wg ^ 1) * 4 + warp) * 8 * 32 + lane;
+
+  for (int t0 = 0; t0 < padded_tiles; t0 += 2) {
+    cp_async_wait<0>();
+    fence_async_smem();
+    __syncthreads();  // this step's tiles landed, visible to the tensor cores; both warpgroups past the last step
+    if (t0 == 0) VMLA_MARK(2);
+    const int mine = t0 + wg;
+    float s[NT][4], x[2][8], mx[2], alpha[2];
+    issue_qk_steps<0, KSTEPS>(s, desc(&sm.q[0][0][0], 16, 1024), desc(&sm.kv[mine % VMLA_STAGES][0][0][0], 16, 1024));
+    // while QK runs: the next step's tiles into the stages of the last, and the slot ids of the step after
+#pragma unroll 1
+    for (int j = 2; j < 4; ++j)
+      if (t0 + j < padded_tiles) load_kv_tile(sm, (t0 + j) % VMLA_STAGES, (t0 + j) % IDX_RING, a.kv_buffer, k_begin + (t0 + j) * BN, k_end);
+#pragma unroll
+    for (int j = 4; j < 6; ++j) load_tile_slots(sm.idx[(t0 + j) % IDX_RING], seg.kv_idx, k_begin + (t0 + j) * BN, k_end);
+    cp_async_commit();
+    wg_wait<0>();
+    fence_operands(s);
+    score_rows(s, x);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = masked_row_max(x[h], visible_keys<BN>(a, k_begin + mine * BN, k_end, seg.prefix, rows.valid[h], rows.token[h]), a, tig);
+      if (tig == 0) sm.s[wg][rows.r_lo + 8 * h][0] = mx[h];
+    }
+    __syncthreads();  // both warpgroups' row maxima
+#pragma unroll
+    for (int h = 0; h < 2; ++h) alpha[h] = row_exp(st[h], x[h], fmaxf(mx[h], sm.s[wg ^ 1][rows.r_lo + 8 * h][0]));
+    rescale_rows(acc, alpha);
+    uint32_t pa[2][4], po[2][4];
+    pack_p(x, pa);
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pf_mine[(kk * 4 + e) * 32] = pa[kk][e];
+    issue_pv(acc, pa, sm, mine % VMLA_STAGES, wg);  // (in flight through the trade)
+    __syncthreads();  // both warpgroups' P
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) po[kk][e] = pf_other[(kk * 4 + e) * 32];
+    issue_pv(acc, po, sm, (t0 + (wg ^ 1)) % VMLA_STAGES, wg);
+    wg_wait<0>();
+    fence_operands(acc);
+    fence_operands(pa);
+    fence_operands(po);
+  }
+
+  VMLA_MARK(3);
+  // ---- epilogue: each warpgroup's share of the row sums, added; o or the partial, lse ----
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    sum_row_shares(st[h]);
+    if (tig == 0) sm.s[wg][rows.r_lo + 8 * h][1] = st[h].l;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) st[h].l += sm.s[wg ^ 1][rows.r_lo + 8 * h][1];  // l0 + l1: the same bits in both
+  store_rows(acc, st, rows, wg, tig, a, seg.grow0, out_o, out_lse);
+  merge(seg.grow0, seg.valid_rows);
+  cp_async_wait_all();
+  __syncthreads();
+}
+#endif
 
 // ---- few-row tiles (VMLA_FEW_ROWS) ----
 // A row tile of at most 16 rows - a request's last, such as the small tree's node 16 x 8 heads - costs a 64-row
@@ -425,17 +565,20 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
 //   softmax: the four dim quarters summed by 128 threads (8 a row, 4 keys each), P (bf16) and alpha to shared
 //        memory.
 //   PV:  warp w accumulates output columns [64 w, 64 w + 64) (8 n8 tiles, V by ldmatrix.trans): 32 fp32 a thread.
-// Without a P V in flight across tiles, two tiles load ahead (3 stages) and the slot ids four.
+// Without a P V in flight across tiles, two tiles load ahead (3 stages) and the slot ids four. Beside the
+// split-key loop (whose score buffer holds row statistics only) the partial scores go in the last of its 4 stages.
 constexpr int FEW_BM = 16;                       // rows scored (one m16 block)
 constexpr int FEW_QROWS = 32;                    // Q rows gathered (gather_swizzled splits 32 rows evenly)
-constexpr int FEW_LOAD_AHEAD = VMLA_STAGES - 1, FEW_SLOT_AHEAD = 2 * FEW_LOAD_AHEAD;
+constexpr int FEW_STAGES = VMLA_STAGES - VMLA_WG_SPLIT_KEYS;  // (split keys: the last stage holds the scores)
+constexpr int FEW_LOAD_AHEAD = FEW_STAGES - 1, FEW_SLOT_AHEAD = 2 * FEW_LOAD_AHEAD;
 constexpr int FEW_DSPLIT = 4, FEW_KSTEPS = KSTEPS / FEW_DSPLIT;  // QK: dim quarters, k16 steps in each
 constexpr int FEW_COLS = 4, FEW_TPR = BN / FEW_COLS;  // softmax: keys a thread, threads a row
 static_assert(VMLA_FEW_ROWS <= FEW_BM, "a few-row tile is one m16 block");
 static_assert(FEW_SLOT_AHEAD + 1 <= IDX_RING, "the slot-id ring holds the ids requested and not yet used");
 static_assert(FEW_BM * P_STRIDE <= 2 * BM * BN, "P fits the P buffers");
 static_assert(FEW_DSPLIT * 2 == VMLA_WARPS && FEW_BM * FEW_TPR <= NUM_THREADS, "warps = dim quarters x key halves");
-static_assert(FEW_DSPLIT * FEW_BM <= 2 * BM, "the partial scores fit the exchange buffer");
+static_assert((FEW_DSPLIT + 1) * FEW_BM * SX_STRIDE <= (VMLA_WG_SPLIT_KEYS ? ATOMS * BN * 32 : 2 * BM * SX_STRIDE),
+              "the partial scores and row statistics fit their buffer");
 
 template <class Merge>
 __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
@@ -444,7 +587,8 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
   const int kh = warp % 2, dq = warp / 2;  // QK: this warp's key half (2 n8 tiles) and dim quarter
   const int num_tiles = (k_end - k_begin + BN - 1) / BN;
-  float* part = &sm.s[0][0][0];      // [FEW_DSPLIT][FEW_BM rows][SX_STRIDE] partial scores
+  // [FEW_DSPLIT][FEW_BM rows][SX_STRIDE] partial scores
+  float* part = VMLA_WG_SPLIT_KEYS ? reinterpret_cast<float*>(&sm.kv[FEW_STAGES][0][0][0]) : &sm.s[0][0][0];
   float* row_alpha = part + FEW_DSPLIT * FEW_BM * SX_STRIDE;  // [FEW_BM], then the rows' sums [FEW_BM]
   __nv_bfloat16* p = &sm.p[0][0][0]; // [FEW_BM][P_STRIDE]
   // softmax threads (tid < 128): row srow, keys [scol, scol + 4)
@@ -465,13 +609,13 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
   const int v_key = ((lane / 8) % 2) * 8 + lane % 8, v_chunk = warp * 8 + lane / 16;
 
   for (int t = 0; t < num_tiles; ++t) {
-    const int stage = t % VMLA_STAGES;
+    const int stage = t % FEW_STAGES;
     cp_async_wait<FEW_LOAD_AHEAD - 1>();  // tile t landed (the next may still be in flight)
     __syncthreads();  // ... for every thread; all warps past tile t-1 (its stage, P and the scores are free)
     if (t == 0) VMLA_MARK(2);
     {
       const int ahead = t + FEW_LOAD_AHEAD;
-      if (ahead < num_tiles) load_kv_tile(sm, ahead % VMLA_STAGES, ahead % IDX_RING, a.kv_buffer, k_begin + ahead * BN, k_end);
+      if (ahead < num_tiles) load_kv_tile(sm, ahead % FEW_STAGES, ahead % IDX_RING, a.kv_buffer, k_begin + ahead * BN, k_end);
       load_tile_slots(sm.idx[(t + FEW_SLOT_AHEAD) % IDX_RING], seg.kv_idx, k_begin + (t + FEW_SLOT_AHEAD) * BN, k_end);
       cp_async_commit();
     }

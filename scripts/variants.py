@@ -49,8 +49,10 @@ VARIANTS = {
     "bm32_s4": (KernelConfig(stages=4), {}),
     # the Hopper path: warpgroup MMAs from swizzled shared memory (sm_90a)
     "wgmma": (KernelConfig.for_arch("sm_90a"), {}),
-    "wgmma_nopipe": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=2, wg_pipe=0), {}),
-    "wgmma_s3": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=0), {}),
+    # the warpgroups splitting a 32-key tile's dims (partial scores exchanged), pipelined: the body before split keys
+    "wgmma_dims": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=1, wg_split=False), {}),
+    "wgmma_nopipe": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=2, wg_pipe=0, wg_split=False), {}),
+    "wgmma_s3": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=0, wg_split=False), {}),
     # the merge after a plain launch instead of as a programmatic dependent; 128 or 32 threads a merge row
     "wgmma_nopdl": (KernelConfig.for_arch("sm_90a"), {"_pdl": False}),
     "wgmma_merge128": (KernelConfig.for_arch("sm_90a"), {"_merge_threads": 128}),
@@ -81,7 +83,12 @@ VARIANTS = {
         for name, config, skips in (
             ("bm64", KernelConfig(**BM64), SKIPS),
             ("bm32", KernelConfig(), SKIPS),
-            ("wgmma", KernelConfig.for_arch("sm_90a"), WGMMA_SKIPS),
+            ("wgmma", KernelConfig.for_arch("sm_90a"), SKIPS | {"load_mma": ["LOAD", "QK", "PV"]}),
+            (
+                "wgmma_dims",
+                dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=1, wg_split=False),
+                WGMMA_SKIPS,
+            ),
         )
         for n, ks in skips.items()
     },
@@ -133,6 +140,8 @@ def main():
                     "regs": kern.resources()["registers"],
                     "local": kern.resources()["local_bytes"],
                     "grid": p.grid,
+                    "units": p.units,
+                    "work": p.work,
                     "segments": p.segments,
                     "fused": p.fused_merge,
                 }

@@ -213,8 +213,8 @@ def test_restructured_loops_give_the_same_bits(target):
     """Switches that reorganise work without changing any sum's order must not change the output by a bit: the
     tree mask read key by key (VMLA_FAST_MASK=0, the default reads it as one bit word per thread), P.V in
     column groups of 4 n8 tiles, QK in two passes over a warp's keys (where they split evenly); on Hopper the
-    wgmma segment unpipelined (2 stages) and pipelined with P through shared memory - on every shipped capture
-    and fuzz batches with deep trees, long prefixes and keys past the end of a segment."""
+    wgmma segment whose warpgroups split a tile's dims, unpipelined (2 stages) and pipelined - on every shipped
+    capture and fuzz batches with deep trees, long prefixes and keys past the end of a segment."""
     import dataclasses
 
     from kdtree.kernel import KernelConfig, VerifyKernel, device_arch
@@ -223,6 +223,7 @@ def test_restructured_loops_give_the_same_bits(target):
     if base.wgmma:
         if device_arch() != "sm_90":
             pytest.skip(f"the wgmma segment needs Hopper (sm_90), this GPU is {device_arch()}")
+        base = dataclasses.replace(base, stages=3, wg_pipe=1, wg_split=False)
         others = [dataclasses.replace(base, stages=2, wg_pipe=0)]
     else:
         others = [
@@ -329,6 +330,36 @@ def test_few_row_tiles_in_either_segment(few_rows):
         assert float((o.float() - o2.float()).norm() / o2.float().norm()) < 5e-3
         assert float((lse - lse2).abs().max()) < 1e-3
     assert few_tiles > 20  # the batches do have few-row tiles
+
+
+def test_split_key_and_dim_split_bodies_agree():
+    """The Hopper body with each warpgroup on its own 32-key tile of a 64-key step (the default) and with the two
+    splitting one tile's dims (partial scores exchanged) both pass the oracle bar and agree to bf16 rounding, on
+    every shipped capture, fuzz batches (stream-K segments of odd tile counts end on a zero-filled second tile)
+    and requests of 0, 5, 31, 33 and 64 prefix keys."""
+    import dataclasses
+
+    from kdtree.kernel import KernelConfig, VerifyKernel, device_arch
+
+    if device_arch() != "sm_90":
+        pytest.skip(f"the wgmma segment needs Hopper (sm_90), this GPU is {device_arch()}")
+    split = KernelConfig.for_arch("sm_90a")
+    assert split.wg_split
+    kern = VerifyKernel.get(split)
+    dims = VerifyKernel.get(dataclasses.replace(split, stages=3, wg_pipe=1, wg_split=False))
+    caps = [load(p) for p in SHIPPED] + [synthesize(fuzz_spec(s), device="cuda", reference=False) for s in range(2, 60, 6)]
+    caps.append(synthesize(SynthSpec(batch_size=5, prefix_lens=[0, 5, 31, 33, 64], budget=9, seed=3), device="cuda"))
+    for cap in caps:
+        lid = cap.meta.layer_ids[0]
+        args, q, pool = marshal(cap), cap.layer(lid).q.cuda(), cap.pool(lid, "cuda")
+        T, H = cap.num_tokens, cap.meta.num_heads
+        o, lse = poisoned((T, H, 512), "cuda"), torch.full((T, H), float("nan"), device="cuda")
+        kern.run(args, q, pool, o, lse)
+        check_against_references(cap, lid, AttnOutput(o, lse))
+        o2, lse2 = dims.run(args, q, pool)
+        check_against_references(cap, lid, AttnOutput(o2, lse2))
+        assert float((o.float() - o2.float()).norm() / o2.float().norm()) < 5e-3
+        assert float((lse - lse2).abs().max()) < 1e-3
 
 
 def test_logit_cap_is_supported(kern):

@@ -78,6 +78,8 @@ class KernelConfig:
     blocks_per_sm: int = 1  # resident blocks per SM: the persistent grid is this many per SM
     wgmma: bool = False  # the Hopper segment (warpgroup MMAs from swizzled shared memory; sm_90a, BM 64)
     wg_pipe: int = 0  # wgmma segment: 1 = QK of tile t and P V of tile t-1 in flight together (3 stages)
+    wg_split: bool = False  # wgmma segment: each warpgroup scores its own tile of a 64-key step over all dims
+    # (no partial-score exchange; 4 stages, wg_pipe 0)
     few_rows: int = 0  # wgmma segment: row tiles of at most this many rows (<= 16) run the mma.sync few-row
     # segment, at FEW_UNIT_COST of a unit (0: every tile is a 64-row wgmma tile)
     extra: tuple[tuple[str, int], ...] = ()  # more -D switches (timing experiments)
@@ -86,11 +88,11 @@ class KernelConfig:
     def for_arch(cls, arch: str) -> "KernelConfig":
         """sm_120-class parts (101,376 B of shared memory per block): 32 rows per block with Q in registers.
         Hopper (sm_90, compiled as sm_90a): the warpgroup-MMA segment, 64 rows (25 % faster than mma.sync at
-        64 rows on the H200's long cases). Other parts with ~227 KB (sm_100): 64 rows per block with Q in
+        64 rows on the H200's long cases), each warpgroup on its own tile of a 64-key step. Other parts with ~227 KB (sm_100): 64 rows per block with Q in
         shared memory, which halves the pool bytes each block pulls from L2 per FLOP (v2 measured the
         32-row kernel L2-bound on an H200)."""
         if arch in ("sm_90", "sm_90a"):
-            return cls(bm=64, rgroups=2, khalves=1, q_smem=True, wgmma=True, stages=3, wg_pipe=1, few_rows=16)
+            return cls(bm=64, rgroups=2, khalves=1, q_smem=True, wgmma=True, stages=4, wg_split=True, few_rows=16)
         if ARCH_LIMITS.get(arch, {}).get("smem_per_block", 0) >= 200_000:
             return cls(bm=64, rgroups=2, khalves=1, q_smem=True)
         return cls()
@@ -123,6 +125,7 @@ class KernelConfig:
             "VMLA_BLOCKS_PER_SM": self.blocks_per_sm,
             "VMLA_WGMMA": int(self.wgmma),
             "VMLA_WG_PIPE": self.wg_pipe,
+            "VMLA_WG_SPLIT_KEYS": int(self.wg_split),
             "VMLA_FEW_ROWS": self.few_rows,
             "VMLA_FUSED_MERGE_SEGS": FUSED_MERGE_SEGS,  # the plan's bound, so the two cannot disagree
             "VMLA_SMEM_BYTES": self.smem_bytes,  # checked against the kernel's own size by a static_assert
@@ -141,16 +144,11 @@ class KernelConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory of verify_mla_fwd: sizeof(Smem) in the .cu."""
         if self.wgmma:  # verify_mla_wgmma.cuh: Q and the stages as unpadded swizzled rows, two P tiles, two
-            # partial-score buffers, the slot-id ring, a flag; + 1024 B to align the atoms
-            return (
-                64 * 576 * 2
-                + self.stages * self.bn * 576 * 2
-                + 2 * 64 * self.bn * 2
-                + 2 * 64 * (self.bn + 8) * 4
-                + 2 * self.stages * self.bn * 4
-                + 16
-                + 1024
-            )
+            # partial-score buffers (split keys: two rows of row statistics), the slot-id ring, a flag; + 1024 B to
+            # align the atoms
+            scores = 2 * 64 * 2 * 4 if self.wg_split else 2 * 64 * (self.bn + 8) * 4
+            ring = 5 if self.wg_split else 2 * self.stages
+            return 64 * 576 * 2 + self.stages * self.bn * 576 * 2 + 2 * 64 * self.bn * 2 + scores + ring * self.bn * 4 + 16 + 1024
         row = (576 + 8) * 2  # a pool row or Q row, padded by 16 B
         q = self.bm * row if self.q_smem else 0
         kv = self.stages * self.bn * row

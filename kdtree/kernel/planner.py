@@ -72,9 +72,10 @@ class LaunchPlan:
 # tile's wait and store, against 1.9-2.0 us a tile (3.3 units); timed side by side, 4 to 6 did best.
 SEGMENT_OVERHEAD_UNITS = 5.0
 # A unit of a few-row tile (at most KernelConfig.few_rows rows: the mma.sync segment of the wgmma body) in units
-# of a 64-row wgmma unit (docs/kernel-design.md, "The few-row segment"): timed on the H200 at weights 0.3-0.7, 0.6
-# did best or near it on every case with few-row tiles.
-FEW_UNIT_COST = 0.6
+# of a 64-row wgmma unit (docs/kernel-design.md, "The few-row segment"): ~0.585 of a unit of the body whose
+# warpgroups split a tile's dims (timed on the H200 at weights 0.3-0.7), which a fit over the twelve bench cases
+# puts at 1.36 units of the split-key body: 0.8.
+FEW_UNIT_COST = 0.8
 
 
 def last_visible_draft_key(tree_mask: torch.Tensor) -> torch.Tensor:
@@ -224,10 +225,11 @@ def plan(
 
 # Relative time of one (row tile, key tile) unit, by kind of segment, and of a segment (prologue, pipeline fill,
 # partial store and merge; about proportional to BM), in units of a wgmma unit (docs/kernel-design.md, "Cost
-# model"): a least-squares fit of time = units * u + segments * s per configuration to the eight bench cases on
-# the H200: u(BM 32) / u(wgmma) = 0.86, s / u = 19.2 at BM 64 and 10.5 at BM 32 (0.30 and 0.33 a row); mma.sync at
-# BM 64 measured 1.30-1.34x the wgmma time on the long cases.
-UNIT_COST = {"wgmma64": 1.0, "mma64": 1.33, "mma32": 0.86}
+# model"): a least-squares fit of time = units * u + segments * s per configuration to the twelve bench cases on
+# the H200 (the wgmma body with split keys, no few-row tiles): u(BM 32) / u(wgmma) = 1.15, s / u = 18.9 at BM 64
+# and 11.6 at BM 32 (0.29 and 0.36 a row); mma.sync at BM 64 measured 1.30-1.34x the dims-split wgmma body's time
+# on the long cases, which is 1.36x the split-key body's.
+UNIT_COST = {"wgmma64": 1.0, "mma64": 1.8, "mma32": 1.15}
 SEGMENT_COST_PER_ROW = 0.3
 
 
