@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdtree.kernel import FEW_UNIT_COST, PLAN_ARRAYS, SEGMENT_OVERHEAD_UNITS, KernelConfig, LaunchPlan, row_tile_key_tiles
+from kdtree.kernel import PLAN_ARRAYS, SEGMENT_OVERHEAD_UNITS, KernelConfig, LaunchPlan, few_row_weight, row_tile_key_tiles
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def plan_on_device(
     shape: PlanShape,
     *,
     segment_units: float = SEGMENT_OVERHEAD_UNITS,
-    few_unit_cost: float = FEW_UNIT_COST,
+    few_unit_cost: float | None = None,
 ) -> LaunchPlan:
     """A `LaunchPlan` (fused merge off) of `shape.grid` blocks for this batch (its marshaled lengths and tree
     bits, `kdtree.marshal.VerifyArgs`'s fields), on the indptrs' device.
@@ -120,7 +120,8 @@ def plan_on_device(
     rt_unit_start = torch.cat([kv.new_zeros(1), torch.cumsum(key_tiles, 0)])
     units = rt_unit_start[-1]
     live = torch.clamp(units, max=shape.grid)
-    few = torch.ones(R, dtype=torch.float64, device=dev).masked_fill(tile_rows <= cfg.few_row_limit, few_unit_cost)
+    weight = few_row_weight(cfg) if few_unit_cost is None else few_unit_cost
+    few = torch.ones(R, dtype=torch.float64, device=dev).masked_fill(tile_rows <= cfg.few_row_limit, weight)
     cta_unit_start = balanced_split_t(rt_unit_start, shape.grid, live, segment_units, few)
     cta_first_rt = (torch.searchsorted(rt_unit_start, cta_unit_start[:-1], right=True) - 1).clamp(max=R - 1)
     rt_first_cta = torch.searchsorted(cta_unit_start, rt_unit_start[:-1], right=True) - 1

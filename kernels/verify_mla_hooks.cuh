@@ -3,7 +3,7 @@
 
 // Timing experiments only (the output is wrong with any of these): VMLA_SKIP_LOAD (no pool-row copies),
 // VMLA_SKIP_QK / VMLA_SKIP_PV (no tensor-core work in that phase), VMLA_SKIP_SOFTMAX (P = raw scores),
-// VMLA_SKIP_EXCHANGE (wgmma body: each warpgroup softmaxes its own partial scores; no barrier).
+// VMLA_SKIP_EXCHANGE (the dims-split wgmma body: each warpgroup softmaxes its own partial scores; no barrier).
 // scripts/variants.py times them against the real kernel to see where the time goes.
 // (each guards its phase with #ifndef VMLA_SKIP_<PHASE> where the phase is issued)
 

@@ -30,7 +30,8 @@ constexpr int SX_STRIDE = BN + 8;               // fp32 per row of a partial-sco
 // flight); their slot ids SLOT_AHEAD tiles ahead, so they have landed by then.
 constexpr int LOAD_AHEAD = VMLA_STAGES - 1 - (VMLA_WG_PIPE ? 1 : 0);
 constexpr int SLOT_AHEAD = 2 * LOAD_AHEAD;
-// The split-key loop holds the slot ids of 4 tiles and fetches 2 more (and its few-row tiles keep 4 ahead).
+// The split-key loop needs 4 slots (the ids of the next step's tiles, read, and of the step after, fetched); its
+// few-row tiles, 3 stages deep, fetch 4 tiles ahead and need 5.
 constexpr int IDX_RING = VMLA_WG_SPLIT_KEYS ? 5 : 2 * VMLA_STAGES;
 static_assert(LOAD_AHEAD >= 1, "the pipelined loop needs 3 stages");
 static_assert(!VMLA_WG_SPLIT_KEYS || (VMLA_STAGES == 4 && VMLA_WG_PIPE == 0),
@@ -52,6 +53,7 @@ struct Smem {
   int flag[4];
 };
 static_assert(sizeof(Smem::q) % 1024 == 0 && sizeof(Smem::kv[0]) % 1024 == 0, "atoms stay 1024-byte aligned");
+static_assert(VMLA_FUSED_MERGE_SEGS * BM * sizeof(float) <= sizeof(Smem::s), "the fused merge's weights fit the score buffer");
 
 // Shared-memory matrix descriptor: start address, leading / stride byte offsets, 128-byte swizzle.
 // (swizzle: 1 = 128-byte, 2 = 64-byte)
@@ -344,6 +346,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   const int64_t grow0 = seg.grow0;
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, g = lane / 4, tig = lane % 4;
   const int num_tiles = (k_end - k_begin + BN - 1) / BN;
+  static_assert(SLOT_AHEAD + 1 <= IDX_RING, "the slot-id ring holds the ids requested and not yet used");
 
   start_segment<BM, SLOT_AHEAD, LOAD_AHEAD>(sm, a, seg, row0, k_begin, k_end, num_tiles);
 

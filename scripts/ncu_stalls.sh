@@ -2,7 +2,12 @@
 # Where a kernel's warps wait: Nsight Compute stall reasons and shared-memory pipe use, one bench case per line of
 # arguments ("case|profile_case.py options", e.g. "dsv3|" or "small tree|--target sm_120").
 # Device machine, repository root; output under $OUT.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels, or the packed site (as scripts/gpu_session.sh takes them)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
+elif [ -f .whl/site312.tar.xz ]; then
+  mkdir -p /tmp/site && tar -xJf .whl/site312.tar.xz -C /tmp/site || exit
+fi
+export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
 N=$(ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); N=${N:-ncu}
 R=smsp__average_warps_issue_stalled

@@ -23,7 +23,7 @@ def main():
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE for the kernel (repeatable)")
     ap.add_argument("--launches", type=int, default=5)
     a = ap.parse_args()
-    case = next(c for c in bench.CASES if a.case in c.name)
+    case = next(c for c in bench.ALL_CASES if a.case in c.name)
     config = KernelConfig.for_arch(a.target or device_arch())
     if a.define:
         config = dataclasses.replace(config, extra=tuple((k, int(v)) for k, v in (d.split("=") for d in a.define)))

@@ -213,3 +213,33 @@ def test_timed_calls_cycle_through_the_input_sets():
     for _ in range(7):
         fn()
     assert seen == [(f"q{i % 3}", f"pool{i % 3}") for i in range(7)]
+
+
+def test_few_row_units_are_weighed_by_the_body_that_runs_them():
+    """A few-row unit costs 0.8 of a split-key wgmma unit and 0.6 of a dims-split one (their measured ratios): each
+    body's plans balance its own weight, unless one is given."""
+    import dataclasses
+
+    from kdtree.bench import CASES
+    from kdtree.kernel import FEW_UNIT_COST, few_row_weight
+    from kdtree.kernel.planner import FEW_UNIT_COST_DIMS
+
+    split = KernelConfig.for_arch("sm_90")
+    dims = dataclasses.replace(split, stages=3, wg_pipe=1, wg_split=False)
+    assert few_row_weight(split) == FEW_UNIT_COST != FEW_UNIT_COST_DIMS == few_row_weight(dims)
+    cap = synthesize(next(c for c in CASES if c.name == "kimi-tp8 small tree").spec(), reference=False)
+    args, H = marshal(cap), cap.meta.num_heads
+    p_split, p_dims = plan(args, H, 132, split), plan(args, H, 132, dims)
+    few_units = (p_split.units - p_split.work) / (1 - FEW_UNIT_COST)
+    assert few_units > 0 and p_dims.work == pytest.approx(p_split.units - (1 - FEW_UNIT_COST_DIMS) * few_units)
+    assert plan(args, H, 132, dims, few_unit_cost=FEW_UNIT_COST).work == pytest.approx(p_split.work)
+
+
+def test_a_split_key_configuration_must_be_the_4_stage_wgmma_body():
+    import dataclasses
+
+    base = KernelConfig.for_arch("sm_90")
+    for bad in (dict(stages=3), dict(wg_pipe=1), dict(wgmma=False)):
+        with pytest.raises(ValueError, match="wg_split"):
+            dataclasses.replace(base, **bad)
+    assert not dataclasses.replace(base, stages=3, wg_pipe=1, wg_split=False).wg_split

@@ -84,6 +84,13 @@ class KernelConfig:
     # segment, at FEW_UNIT_COST of a unit (0: every tile is a 64-row wgmma tile)
     extra: tuple[tuple[str, int], ...] = ()  # more -D switches (timing experiments)
 
+    def __post_init__(self) -> None:
+        if self.wg_split and not (self.wgmma and self.stages == 4 and self.wg_pipe == 0):
+            raise ValueError(
+                f"KernelConfig.wg_split needs the wgmma body with stages=4 and wg_pipe=0 "
+                f"(got wgmma={self.wgmma}, stages={self.stages}, wg_pipe={self.wg_pipe})"
+            )
+
     @classmethod
     def for_arch(cls, arch: str) -> "KernelConfig":
         """sm_120-class parts (101,376 B of shared memory per block): 32 rows per block with Q in registers.

@@ -68,14 +68,22 @@ class LaunchPlan:
 
 
 # What a block pays for each segment it works on beyond its tiles, in units (docs/kernel-design.md, "Stream-K
-# plan"): an H200 trace of the wgmma segment (scripts/trace_case.py) put 6.4 us of a segment in its prologue, first
-# tile's wait and store, against 1.9-2.0 us a tile (3.3 units); timed side by side, 4 to 6 did best.
+# plan"): an H200 trace of the dims-split wgmma segment (scripts/trace_case.py) put 6.4 us of a segment in its
+# prologue, first tile's wait and store, against 1.9-2.0 us a tile (3.3 units); timed side by side, 4 to 6 did
+# best. A split-key unit is 1.38 us (6.4 us: 4.6 units); a sweep on it (docs/bench/variants-segment-units-h200.log)
+# had 6 equal or better than 5 on six cases (mixed -6 %), not yet benched.
 SEGMENT_OVERHEAD_UNITS = 5.0
 # A unit of a few-row tile (at most KernelConfig.few_rows rows: the mma.sync segment of the wgmma body) in units
 # of a 64-row wgmma unit (docs/kernel-design.md, "The few-row segment"): ~0.585 of a unit of the body whose
-# warpgroups split a tile's dims (timed on the H200 at weights 0.3-0.7), which a fit over the twelve bench cases
-# puts at 1.36 units of the split-key body: 0.8.
+# warpgroups split a tile's dims (timed on the H200 at weights 0.3-0.7: 0.6), which a fit over the twelve bench
+# cases puts at 1.36 units of the split-key body: 0.8 of one of those.
 FEW_UNIT_COST = 0.8
+FEW_UNIT_COST_DIMS = 0.6
+
+
+def few_row_weight(config: KernelConfig) -> float:
+    """What a few-row unit costs in units of the configuration's 64-row body."""
+    return FEW_UNIT_COST if config.wg_split else FEW_UNIT_COST_DIMS
 
 
 def last_visible_draft_key(tree_mask: torch.Tensor) -> torch.Tensor:
@@ -152,7 +160,7 @@ def plan(
     *,
     fused_merge: bool | None = None,
     segment_units: float | None = None,
-    few_unit_cost: float = FEW_UNIT_COST,
+    few_unit_cost: float | None = None,
     visible_keys: bool = True,
 ) -> LaunchPlan:
     """Cut the batch into row tiles x key tiles (with `visible_keys`, a row tile's keys end at the last draft key
@@ -161,7 +169,8 @@ def plan(
     (`config.blocks_per_sm` per SM) so that each block's units plus `segment_units` (default
     SEGMENT_OVERHEAD_UNITS) per segment come out even (`balanced_split`; a request's last row tile costs about as
     much per unit as a full one, measured: weighting it lighter was slower - except a tile of at most
-    `config.few_rows` rows, which the few-row segment runs at `few_unit_cost` of a unit).
+    `config.few_rows` rows, which the few-row segment runs at `few_unit_cost` of a unit; default
+    `few_row_weight(config)`).
     `fused_merge` (default: when no tile is split into more than FUSED_MERGE_SEGS partials, on the mma.sync
     paths) lets the kernel merge split tiles itself instead of launching verify_mla_merge."""
     n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
@@ -181,7 +190,8 @@ def plan(
     rt_unit_start = np.concatenate([[0], np.cumsum(key_tiles)])
     units = int(rt_unit_start[-1])
     grid = max(1, min(num_sms * config.blocks_per_sm, units))
-    rt_weight = np.where(tile_rows <= config.few_row_limit, few_unit_cost, 1.0)
+    few = few_row_weight(config) if few_unit_cost is None else few_unit_cost
+    rt_weight = np.where(tile_rows <= config.few_row_limit, few, 1.0)
     cta_unit_start = balanced_split(
         rt_unit_start, grid, SEGMENT_OVERHEAD_UNITS if segment_units is None else segment_units, rt_weight
     )
