@@ -81,7 +81,7 @@ class KernelConfig:
     wg_split: bool = False  # wgmma segment: each warpgroup scores its own tile of a 64-key step over all dims
     # (no partial-score exchange; 4 stages, wg_pipe 0)
     few_rows: int = 0  # wgmma segment: row tiles of at most this many rows (<= 16) run the mma.sync few-row
-    # segment, at FEW_UNIT_COST of a unit (0: every tile is a 64-row wgmma tile)
+    # segment, at few_row_weight(config) of a unit (0: every tile is a 64-row wgmma tile)
     extra: tuple[tuple[str, int], ...] = ()  # more -D switches (timing experiments)
 
     def __post_init__(self) -> None:
