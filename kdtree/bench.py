@@ -287,17 +287,33 @@ def format_row(r: CaseResult) -> str:
 
 
 def summary_table(result: dict) -> str:
+    """The bench as a table: per case the times, the speedup over SGLang, TFLOP/s, the floor (FLOPs at the matmul
+    rate or bytes at the copy rate, whichever is longer) and the fraction of it reached, and where the mma.sync
+    ceilings were measured the fraction of each (the sm_120 configuration's yardsticks)."""
+    ceil = result["ceilings"]
+    mma = bool(ceil.get("mma_sync_raw_tflops") and ceil.get("mma_sync_ldmatrix_tflops"))
+    head = f"{result['device']}: bf16 matmul {ceil['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s"
+    if mma:
+        head += f", mma.sync {ceil['mma_sync_raw_tflops']:.0f} raw / {ceil['mma_sync_ldmatrix_tflops']:.0f} ldmatrix-fed TFLOP/s"
     lines = [
-        f"{result['device']}: bf16 matmul {result['ceilings']['matmul_bf16_tflops']:.0f} TFLOP/s, copy {result['ceilings']['copy_tbps']:.2f} TB/s",
-        f"{'case':28s} {'kdtree ms':>10s} {'sglang ms':>10s} {'torch ms':>10s} {'speedup':>8s} {'TF/s':>6s} {'floor ms':>9s} {'%floor':>7s}",
+        head,
+        f"{'case':28s} {'kdtree ms':>10s} {'sglang ms':>10s} {'torch ms':>10s} {'speedup':>8s} {'TF/s':>6s} {'floor ms':>9s} {'%floor':>7s}"
+        + (f" {'%matmul':>8s} {'%mma':>6s} {'%ldsm':>6s}" if mma else ""),
     ]
     for c in result["cases"]:
         k, s, t = (c["impls"].get(n, {}) for n in ("kdtree", "sglang", "torch"))
         f = lambda d, key, fmt: format(d[key], fmt) if key in d else "-"  # noqa: E731
-        lines.append(
+        line = (
             f"{c['name']:28s} {f(k, 'ms', '10.3f')} {f(s, 'ms', '10.3f')} {f(t, 'ms', '10.3f')} {f(k, 'speedup_vs_sglang', '8.2f')} "
             f"{f(k, 'tflops', '6.0f')} {c['floor_ms']:9.3f} {100 * k.get('floor_fraction', float('nan')):6.0f}%"
         )
+        if mma:
+            fr = k.get("fraction_of", {})
+            line += "".join(
+                f" {100 * fr[key]:{w - 1}.0f}%" if key in fr else f" {'-':>{w}s}"
+                for key, w in (("matmul_bf16", 8), ("mma_sync_raw", 6), ("mma_sync_ldmatrix", 6))
+            )
+        lines.append(line)
     if result.get("geomean_speedup_vs_sglang"):
         lines.append(f"geomean speedup over SGLang on {len(result['cases'])} cases: {result['geomean_speedup_vs_sglang']:.2f}x")
     return "\n".join(lines)

@@ -49,8 +49,16 @@ def test_bench_summary_reports_fractions_of_every_ceiling_and_the_geomean():
     result = json.loads((ROOT / "docs/bench/bench-h200.json").read_text())
     result["geomean_speedup_vs_sglang"] = geomean([c["impls"]["kdtree"]["speedup_vs_sglang"] for c in result["cases"]])
     speedups = np.array([c["impls"]["kdtree"]["speedup_vs_sglang"] for c in result["cases"]])
-    want = float(np.exp(np.log(speedups).mean()))  # 11.08 on the H200's run of all 12 cases
-    assert summary_table(result).splitlines()[-1] == f"geomean speedup over SGLang on {len(speedups)} cases: {want:.2f}x"
+    want = float(np.exp(np.log(speedups).mean()))  # 13.96 on the H200's run of all 12 cases
+    table = summary_table(result).splitlines()
+    assert table[-1] == f"geomean speedup over SGLang on {len(speedups)} cases: {want:.2f}x"
+    # each case's fractions of the matmul and both mma.sync ceilings, from its own rate and the measured ceilings
+    assert "mma.sync" in table[0] and table[1].split()[-3:] == ["%matmul", "%mma", "%ldsm"]
+    for c, line in zip(result["cases"], table[2:]):
+        fr = ceiling_fractions(c["impls"]["kdtree"]["tflops"], result["ceilings"])
+        assert line.split()[-3:] == [f"{100 * fr[k]:.0f}%" for k in ("matmul_bf16", "mma_sync_raw", "mma_sync_ldmatrix")]
+    del result["ceilings"]["mma_sync_raw_tflops"]  # a run without the mma.sync ceilings has no such columns
+    assert "%mma" not in summary_table(result)
     # the issue's four shapes beside the eight; N 1 is a one-token chain, not a DDTree of budget 0
     names = [c.name for c in ALL_CASES]
     assert len(names) == len(set(names)) == 12
