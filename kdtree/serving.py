@@ -42,6 +42,20 @@ class PreparedStep:
     workspace: Workspace
 
 
+def captured(fn) -> torch.cuda.CUDAGraph:
+    """`fn()` captured in a CUDA graph, after one warm-up call on a side stream (lazy initialisation and the
+    allocator's first requests stay out of the graph)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 class PlanGraph:
     """`plan_on_device` for one `PlanShape`, captured once as a CUDA graph, with the eager steps' buffers of that
     shape: its inputs, the marshal kernel's shape-sized outputs (`qo_indptr`, `combined_kv_indptr`, int32

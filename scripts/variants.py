@@ -50,7 +50,7 @@ VARIANTS = {
     # the Hopper path: warpgroup MMAs from swizzled shared memory (sm_90a)
     "wgmma": (KernelConfig.for_arch("sm_90a"), {}),
     # the warpgroups splitting a 32-key tile's dims (partial scores exchanged), pipelined: the body before split keys
-    "wgmma_dims": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=1, wg_split=False), {}),
+    "wgmma_dims": (KernelConfig.for_arch("sm_90a").dims_split(), {}),
     "wgmma_nopipe": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=2, wg_pipe=0, wg_split=False), {}),
     "wgmma_s3": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=0, wg_split=False), {}),
     # the merge after a plain launch instead of as a programmatic dependent; 128 or 32 threads a merge row
@@ -86,7 +86,7 @@ VARIANTS = {
             ("wgmma", KernelConfig.for_arch("sm_90a"), SKIPS | {"load_mma": ["LOAD", "QK", "PV"]}),
             (
                 "wgmma_dims",
-                dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=1, wg_split=False),
+                KernelConfig.for_arch("sm_90a").dims_split(),
                 WGMMA_SKIPS,
             ),
         )

@@ -117,15 +117,9 @@ def test_faults_are_caught_through_the_kernel(kern, path, fault):
 
 def captured_launch(kern, p, args, q, pool, o, lse, ws) -> "torch.cuda.CUDAGraph":
     """The launch captured in a CUDA graph (after one warm-up launch outside the capture)."""
-    g = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        kern.launch(p, args, q, pool, o, lse, ws)
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(g):
-        kern.launch(p, args, q, pool, o, lse, ws)
-    return g
+    from kdtree.serving import captured
+
+    return captured(lambda: kern.launch(p, args, q, pool, o, lse, ws))
 
 
 def test_deterministic_and_graph_replay_matches(kern):
@@ -223,7 +217,7 @@ def test_restructured_loops_give_the_same_bits(target):
     if base.wgmma:
         if device_arch() != "sm_90":
             pytest.skip(f"the wgmma segment needs Hopper (sm_90), this GPU is {device_arch()}")
-        base = dataclasses.replace(base, stages=3, wg_pipe=1, wg_split=False)
+        base = base.dims_split()
         others = [dataclasses.replace(base, stages=2, wg_pipe=0)]
     else:
         others = [
@@ -337,7 +331,6 @@ def test_split_key_and_dim_split_bodies_agree():
     splitting one tile's dims (partial scores exchanged) both pass the oracle bar and agree to bf16 rounding, on
     every shipped capture, fuzz batches (stream-K segments of odd tile counts end on a zero-filled second tile)
     and requests of 0, 5, 31, 33 and 64 prefix keys."""
-    import dataclasses
 
     from kdtree.kernel import KernelConfig, VerifyKernel, device_arch
 
@@ -346,7 +339,7 @@ def test_split_key_and_dim_split_bodies_agree():
     split = KernelConfig.for_arch("sm_90a")
     assert split.wg_split
     kern = VerifyKernel.get(split)
-    dims = VerifyKernel.get(dataclasses.replace(split, stages=3, wg_pipe=1, wg_split=False))
+    dims = VerifyKernel.get(split.dims_split())
     caps = [load(p) for p in SHIPPED] + [synthesize(fuzz_spec(s), device="cuda", reference=False) for s in range(2, 60, 6)]
     caps.append(synthesize(SynthSpec(batch_size=5, prefix_lens=[0, 5, 31, 33, 64], budget=9, seed=3), device="cuda"))
     for cap in caps:

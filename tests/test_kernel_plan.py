@@ -218,14 +218,13 @@ def test_timed_calls_cycle_through_the_input_sets():
 def test_few_row_units_are_weighed_by_the_body_that_runs_them():
     """A few-row unit costs 0.8 of a split-key wgmma unit and 0.6 of a dims-split one (their measured ratios): each
     body's plans balance its own weight, unless one is given."""
-    import dataclasses
 
     from kdtree.bench import CASES
     from kdtree.kernel import FEW_UNIT_COST, few_row_weight
     from kdtree.kernel.planner import FEW_UNIT_COST_DIMS
 
     split = KernelConfig.for_arch("sm_90")
-    dims = dataclasses.replace(split, stages=3, wg_pipe=1, wg_split=False)
+    dims = split.dims_split()
     assert few_row_weight(split) == FEW_UNIT_COST != FEW_UNIT_COST_DIMS == few_row_weight(dims)
     cap = synthesize(next(c for c in CASES if c.name == "kimi-tp8 small tree").spec(), reference=False)
     args, H = marshal(cap), cap.meta.num_heads

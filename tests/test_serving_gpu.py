@@ -68,16 +68,11 @@ def capture_once_replay_many(step, load_batch, caps, o):
     """Capture `step` (after a warm-up outside the graph) on caps[0]'s inputs, then three rounds over the others:
     load each batch into the same tensors, replay, and check the output against the eager step on the same
     inputs (bit-equal) and against the fp64 oracle (5e-3)."""
+    from kdtree.serving import captured
+
     load_batch(caps[0])
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
     for _ in range(3):
         for cap in caps[1:] + caps[:1]:
             load_batch(cap)

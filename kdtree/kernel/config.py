@@ -138,6 +138,11 @@ class KernelConfig:
             "VMLA_SMEM_BYTES": self.smem_bytes,  # checked against the kernel's own size by a static_assert
         }
 
+    def dims_split(self) -> "KernelConfig":
+        """The same wgmma configuration with the warpgroups splitting a tile's dims (pipelined, 3 stages): the loop
+        the split-key one replaced, kept as its reference."""
+        return dataclasses.replace(self, stages=3, wg_pipe=1, wg_split=False)
+
     @property
     def few_row_limit(self) -> int:
         """Row tiles of at most this many rows run the few-row segment (only the wgmma body has one)."""

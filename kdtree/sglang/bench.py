@@ -29,6 +29,7 @@ import torch
 
 from kdtree.bench import ALL_CASES as KERNEL_CASES
 from kdtree.presets import get_preset
+from kdtree.serving import captured
 from kdtree.trees import make_tree
 
 
@@ -58,14 +59,7 @@ def _host_us(fn, reps: int = 200) -> float:
 
 
 def _graph_ms(fn, do_bench) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = captured(fn)
     graph.replay()
     return do_bench(graph.replay)
 
