@@ -17,6 +17,8 @@
 // QK) and V (N-major B operand of PV).
 #pragma once
 
+#include "verify_mla_wgmma_ptx.cuh"
+
 namespace vmla_wg {
 using namespace vmla;
 
@@ -55,21 +57,10 @@ struct Smem {
 static_assert(sizeof(Smem::q) % 1024 == 0 && sizeof(Smem::kv[0]) % 1024 == 0, "atoms stay 1024-byte aligned");
 static_assert(VMLA_FUSED_MERGE_SEGS * BM * sizeof(float) <= sizeof(Smem::s), "the fused merge's weights fit the score buffer");
 
-// Shared-memory matrix descriptor: start address, leading / stride byte offsets, 128-byte swizzle.
-// (swizzle: 1 = 128-byte, 2 = 64-byte)
-__device__ __forceinline__ uint64_t desc(const void* p, uint32_t lbo, uint32_t sbo, uint64_t swizzle = 1) {
-  return static_cast<uint64_t>((smem_addr(p) & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-         (static_cast<uint64_t>(sbo >> 4) << 32) | (swizzle << 62);
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ uint64_t opaque(uint64_t v) {
   asm volatile("mov.b64 %0, %0;\n" : "+l"(v));
   return v;
 }
-template <int N>
-__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // Registers an in-flight wgmma reads or writes: keep the compiler from moving their uses above the wait (or
 // reusing P's registers before it), as if the wait had written them.
 __device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)); }

@@ -167,3 +167,17 @@ def test_mma_ceiling_microkernels_compile_without_spills(arch):
     assert set(reports) == set(KERNELS)
     for r in reports.values():
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0 and r.registers <= 64, r.line()
+
+
+@pytest.mark.parametrize("n,a_smem", [(32, 1), (32, 0), (64, 1), (64, 0)], ids=["n32-smem", "n32-regs", "n64-smem", "n64-regs"])
+def test_wgmma_probe_compiles_unserialised(n, a_smem):
+    """scripts/wgmma_probe.py's QK chains (kernels/wgmma_probe.cu) build for sm_90a in each shape, without
+    spills, and ptxas keeps their wgmmas asynchronous (a serialised chain would time ptxas, not the tensor cores)."""
+    from kdtree.kernel.config import KERNEL_DIR
+
+    config = KernelConfig.for_arch("sm_90")  # (the wgmma configuration: NVRTC targets sm_90a)
+    source = KERNEL_DIR / "wgmma_probe.cu"
+    _, log = nvrtc_compile("sm_90", config, (f"-DPROBE_N={n}", f"-DPROBE_A_SMEM={a_smem}"), source=source)
+    (r,) = parse_ptxas(log, "sm_90a", config)
+    assert r.name == "wgmma_qk_probe" and r.arch == "sm_90a", r.line()
+    assert r.spill_stores == r.spill_loads == 0 and not r.problems, r.line()

@@ -100,6 +100,41 @@ def device_ptr(t: torch.Tensor | None) -> np.uint64:
 MERGE_THREADS = 64
 
 
+def sm90a_module(cupy, source: Path, options: tuple[str, ...], entry: str):
+    """`source` built for sm_90a (CuPy would pass the GPU's own -arch, and wgmma needs sm_90a): NVRTC through
+    CuPy's bindings, then the cubin loaded as a RawModule, `entry` loaded while the file exists.
+
+    Why not `kdtree.kernel.nvrtc.nvrtc_compile` (cuda-bindings), which the reports use: CuPy's NVRTC is the
+    one every machine that runs the kernel has (it ships with CuPy, and is the compiler of the mma.sync
+    builds), while cuda-bindings is an extra; one compiler for every build the GPU runs keeps them alike."""
+    import tempfile
+
+    from cupy_backends.cuda.libs import nvrtc as cnvrtc
+
+    includes = list(_nvrtc_include_dirs())
+    cuda_path = cupy.cuda.get_cuda_path()
+    if cuda_path and Path(cuda_path, "include", "cuda_bf16.h").exists():
+        includes.append(str(Path(cuda_path, "include")))
+    opts = ["-arch=sm_90a", *options, *(f"-I{d}" for d in includes)]
+    prog = cnvrtc.createProgram(source.read_text(), source.name, (), ())
+    try:
+        try:
+            cnvrtc.compileProgram(prog, opts)
+        except cnvrtc.NVRTCError:
+            raise KernelCompileError(
+                f"{source.name} does not compile for sm_90a:\n" + format_compile_error(cnvrtc.getProgramLog(prog), source)
+            ) from None
+        cubin = cnvrtc.getCUBIN(prog)
+    finally:
+        cnvrtc.destroyProgram(prog)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, source.with_suffix(".cubin").name)
+        path.write_bytes(cubin)
+        module = cupy.RawModule(path=str(path))
+        module.get_function(entry)
+    return module
+
+
 class VerifyKernel:
     """verify_mla.cu compiled for the present GPU. `run()` is the convenient path; `launch()` the
     graph-safe one (all tensors on the device, workspace preallocated). With several configurations
@@ -137,40 +172,10 @@ class VerifyKernel:
 
     def _cubin_module(self, config: KernelConfig):
         """The module for a configuration CuPy cannot build (it passes the GPU's own -arch, and wgmma needs
-        sm_90a): NVRTC through CuPy's bindings, then the cubin loaded as a RawModule.
-
-        Why not `kdtree.kernel.nvrtc.nvrtc_compile` (cuda-bindings), which the reports use: CuPy's NVRTC is the
-        one every machine that runs the kernel has (it ships with CuPy, and is the compiler of the mma.sync
-        builds), while cuda-bindings is an extra; one compiler for every build the GPU runs keeps them alike."""
-        import tempfile
-
-        from cupy_backends.cuda.libs import nvrtc as cnvrtc
-
-        arch = "sm_90a"
+        sm_90a): `sm90a_module`."""
         if device_arch() != "sm_90":
             raise KernelCompileError(f"the wgmma configuration runs on sm_90 (Hopper) only, not on {device_arch()}")
-        includes = list(_nvrtc_include_dirs())
-        cuda_path = self.cupy.cuda.get_cuda_path()
-        if cuda_path and Path(cuda_path, "include", "cuda_bf16.h").exists():
-            includes.append(str(Path(cuda_path, "include")))
-        opts = [f"-arch={arch}", *compile_options(config), *(f"-I{d}" for d in includes)]
-        prog = cnvrtc.createProgram(SOURCE.read_text(), SOURCE.name, (), ())
-        try:
-            try:
-                cnvrtc.compileProgram(prog, opts)
-            except cnvrtc.NVRTCError:
-                raise KernelCompileError(
-                    f"{SOURCE.name} does not compile for {arch}:\n" + format_compile_error(cnvrtc.getProgramLog(prog))
-                ) from None
-            cubin = cnvrtc.getCUBIN(prog)
-        finally:
-            cnvrtc.destroyProgram(prog)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp, "verify_mla.cubin")
-            path.write_bytes(cubin)
-            module = self.cupy.RawModule(path=str(path))
-            module.get_function(FWD)  # loaded now, while the file exists
-        return module
+        return sm90a_module(self.cupy, SOURCE, compile_options(config), FWD)
 
     @classmethod
     def get(cls, config: KernelConfig | tuple[KernelConfig, ...] | None = None) -> "VerifyKernel":
