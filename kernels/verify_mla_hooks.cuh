@@ -30,3 +30,29 @@ __device__ __forceinline__ void trace_mark(int slot) {
 #else
 #define VMLA_MARK(slot) ((void)0)
 #endif
+
+// VMLA_PHASES (timing experiments, scripts/phase_profile.py): thread 0 of each warpgroup of the split-key loop adds
+// the clock64 cycles of each phase of a step to vmla_phases[warpgroup][phase] (phase 8: the steps counted):
+// 0 the top (this step's tiles landed, the barrier), 1 QK and the next tiles issued, 2 QK's wait, 3 the row maxima,
+// 4 their trade's barrier, 5 exp, P and its P V issued, 6 P's trade barrier, 7 the other P V issued and waited.
+#ifndef VMLA_PHASES
+#define VMLA_PHASES 0
+#endif
+#if VMLA_PHASES
+extern "C" __device__ unsigned long long vmla_phases[2][9];
+struct PhaseClock {
+  long long last = clock64();
+  __device__ __forceinline__ void mark(int phase) {
+    if (threadIdx.x % 128 != 0) return;
+    const long long now = clock64();
+    atomicAdd(&vmla_phases[threadIdx.x / 128][phase], static_cast<unsigned long long>(now - last));
+    if (phase == 7) atomicAdd(&vmla_phases[threadIdx.x / 128][8], 1ull);
+    last = now;
+  }
+};
+#define VMLA_PHASE_CLOCK PhaseClock phase_clock
+#define VMLA_PHASE(k) phase_clock.mark(k)
+#else
+#define VMLA_PHASE_CLOCK
+#define VMLA_PHASE(k) ((void)0)
+#endif

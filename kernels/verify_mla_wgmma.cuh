@@ -483,10 +483,12 @@ __device__ __forceinline__ void verify_segment_split_keys(Smem& sm, const Args& 
   uint32_t* pf_mine = reinterpret_cast<uint32_t*>(&sm.p[0][0][0]) + (wg * 4 + warp) * 8 * 32 + lane;
   const uint32_t* pf_other = reinterpret_cast<uint32_t*>(&sm.p[0][0][0]) + ((wg ^ 1) * 4 + warp) * 8 * 32 + lane;
 
+  VMLA_PHASE_CLOCK;
   for (int t0 = 0; t0 < padded_tiles; t0 += 2) {
     cp_async_wait<0>();
     fence_async_smem();
     __syncthreads();  // this step's tiles landed, visible to the tensor cores; both warpgroups past the last step
+    VMLA_PHASE(0);
     if (t0 == 0) VMLA_MARK(2);
     const int mine = t0 + wg;
     float s[NT][4], x[2][8], mx[2], alpha[2];
@@ -498,15 +500,19 @@ __device__ __forceinline__ void verify_segment_split_keys(Smem& sm, const Args& 
 #pragma unroll
     for (int j = 4; j < 6; ++j) load_tile_slots(sm.idx[(t0 + j) % IDX_RING], seg.kv_idx, k_begin + (t0 + j) * BN, k_end);
     cp_async_commit();
+    VMLA_PHASE(1);
     wg_wait<0>();
     fence_operands(s);
+    VMLA_PHASE(2);
     score_rows(s, x);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       mx[h] = masked_row_max(x[h], visible_keys<BN>(a, k_begin + mine * BN, k_end, seg.prefix, rows.valid[h], rows.token[h]), a, tig);
       if (tig == 0) sm.s[wg][rows.r_lo + 8 * h][0] = mx[h];
     }
+    VMLA_PHASE(3);
     __syncthreads();  // both warpgroups' row maxima
+    VMLA_PHASE(4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) alpha[h] = row_exp(st[h], x[h], fmaxf(mx[h], sm.s[wg ^ 1][rows.r_lo + 8 * h][0]));
     rescale_rows(acc, alpha);
@@ -517,7 +523,9 @@ __device__ __forceinline__ void verify_segment_split_keys(Smem& sm, const Args& 
 #pragma unroll
       for (int e = 0; e < 4; ++e) pf_mine[(kk * 4 + e) * 32] = pa[kk][e];
     issue_pv(acc, pa, sm, mine % VMLA_STAGES, wg);  // (in flight through the trade)
+    VMLA_PHASE(5);
     __syncthreads();  // both warpgroups' P
+    VMLA_PHASE(6);
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
@@ -527,6 +535,7 @@ __device__ __forceinline__ void verify_segment_split_keys(Smem& sm, const Args& 
     fence_operands(acc);
     fence_operands(pa);
     fence_operands(po);
+    VMLA_PHASE(7);
   }
 
   VMLA_MARK(3);

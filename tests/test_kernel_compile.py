@@ -146,12 +146,16 @@ def test_wgmma_variants_compile_and_fit(stages, pipe, split):
 
 @pytest.mark.parametrize(
     "extra",
-    [(("VMLA_TRACE", 132),), tuple((f"VMLA_SKIP_{k}", 1) for k in ("QK", "PV", "SOFTMAX", "EXCHANGE", "LOAD"))],
-    ids=["trace", "skips"],
+    [
+        (("VMLA_TRACE", 132),),
+        tuple((f"VMLA_SKIP_{k}", 1) for k in ("QK", "PV", "SOFTMAX", "EXCHANGE", "LOAD")),
+        (("VMLA_PHASES", 1),),
+    ],
+    ids=["trace", "skips", "phases"],
 )
 def test_wgmma_experiment_builds_compile(extra):
-    """The timing builds scripts/trace_case.py and scripts/variants.py ask for (block timelines, parts of each
-    tile left out) still compile for sm_90a, without spills."""
+    """The timing builds scripts/trace_case.py, scripts/variants.py and scripts/phase_profile.py ask for (block
+    timelines, parts of each tile left out, cycles a step by phase) still compile for sm_90a, without spills."""
     config = dataclasses.replace(KernelConfig.for_arch("sm_90"), extra=extra)
     (fwd,) = [r for r in compile_report("sm_90", config) if r.name == "verify_mla_fwd"]
     assert fwd.ok and fwd.arch == "sm_90a" and fwd.spill_stores == 0, fwd.line()
