@@ -31,28 +31,43 @@ __device__ __forceinline__ void trace_mark(int slot) {
 #define VMLA_MARK(slot) ((void)0)
 #endif
 
-// VMLA_PHASES (timing experiments, scripts/phase_profile.py): thread 0 of each warpgroup of the split-key loop adds
-// the clock64 cycles of each phase of a step to vmla_phases[warpgroup][phase] (phase 8: the steps counted):
-// 0 the top (this step's tiles landed, the barrier), 1 QK and the next tiles issued, 2 QK's wait, 3 the row maxima,
-// 4 their trade's barrier, 5 exp, P and its P V issued, 6 P's trade barrier, 7 the other P V issued and waited.
+// VMLA_PHASES (timing experiments, scripts/phase_profile.py): thread 0 of each warpgroup of the split-key loop sums
+// the clock64 cycles of each phase of a step in shared memory and adds them to vmla_phases[warpgroup][phase] once a
+// segment (phase 8: the steps counted): 0 the top (this step's tiles landed, the barrier; in a segment's first
+// step also its first tiles' loads), 1 QK and the next tiles issued, 2 QK's wait, 3 the row maxima, 4 their
+// trade's barrier, 5 exp, P and its P V issued, 6 P's trade barrier, 7 the other P V issued and waited.
 #ifndef VMLA_PHASES
 #define VMLA_PHASES 0
 #endif
 #if VMLA_PHASES
 extern "C" __device__ unsigned long long vmla_phases[2][9];
 struct PhaseClock {
-  long long last = clock64();
+  long long last;
+  __device__ __forceinline__ static unsigned long long* sums() {
+    __shared__ unsigned long long s[2][9];
+    return s[threadIdx.x / 128];
+  }
+  __device__ __forceinline__ PhaseClock() : last(clock64()) {
+    if (threadIdx.x % 128 == 0)
+      for (int k = 0; k < 9; ++k) sums()[k] = 0;
+  }
   __device__ __forceinline__ void mark(int phase) {
     if (threadIdx.x % 128 != 0) return;
     const long long now = clock64();
-    atomicAdd(&vmla_phases[threadIdx.x / 128][phase], static_cast<unsigned long long>(now - last));
-    if (phase == 7) atomicAdd(&vmla_phases[threadIdx.x / 128][8], 1ull);
+    sums()[phase] += static_cast<unsigned long long>(now - last);
+    if (phase == 7) sums()[8] += 1;
     last = now;
+  }
+  __device__ __forceinline__ void flush() {
+    if (threadIdx.x % 128 == 0)
+      for (int k = 0; k < 9; ++k) atomicAdd(&vmla_phases[threadIdx.x / 128][k], sums()[k]);
   }
 };
 #define VMLA_PHASE_CLOCK PhaseClock phase_clock
 #define VMLA_PHASE(k) phase_clock.mark(k)
+#define VMLA_PHASE_FLUSH phase_clock.flush()
 #else
 #define VMLA_PHASE_CLOCK
 #define VMLA_PHASE(k) ((void)0)
+#define VMLA_PHASE_FLUSH ((void)0)
 #endif

@@ -537,6 +537,7 @@ __device__ __forceinline__ void verify_segment_split_keys(Smem& sm, const Args& 
     fence_operands(po);
     VMLA_PHASE(7);
   }
+  VMLA_PHASE_FLUSH;
 
   VMLA_MARK(3);
   // ---- epilogue: each warpgroup's share of the row sums, added; o or the partial, lse ----

@@ -1,7 +1,8 @@
 """Where a 64-key step of the Hopper split-key loop spends its cycles, phase by phase: the kernel built with
 VMLA_PHASES (kernels/verify_mla_hooks.cuh) has thread 0 of each warpgroup add clock64 deltas per phase; this
 prints cycles a step for each phase and warpgroup (summed over all blocks and steps of --reps launches, divided by
-the steps). One device call (Hopper); writes phase_profile.json to $OUT.
+the steps). The hook's clock reads slow the kernel (its launch time is printed beside the phases), so compare
+profiles with each other, not with the bench. One device call (Hopper); writes phase_profile.json to $OUT.
 
 Usage: python3 scripts/phase_profile.py "32k x8" "dsv3-tp8 ddtree64 8k" [--reps 5] [--define NAME=VALUE ...]
 (Bench cases match by substring; few-row tiles are not counted: they run their own segment.)
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from kdtree import bench
-from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, plan
+from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, device_arch, plan
 from kdtree.marshal import marshal
 from kdtree.synth import synthesize
 
@@ -38,8 +39,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE for the kernel (repeatable)")
     a = ap.parse_args()
+    if device_arch() != "sm_90":
+        raise SystemExit(f"the split-key loop is the Hopper body's (sm_90); this GPU is {device_arch()}")
     extra = tuple((k, int(v)) for k, v in (d.split("=") for d in a.define))
-    config = dataclasses.replace(KernelConfig.for_arch("sm_90a"), extra=extra + (("VMLA_PHASES", 1),))
+    base = KernelConfig.for_arch("sm_90a")
+    config = dataclasses.replace(base, extra=base.extra + extra + (("VMLA_PHASES", 1),))
     kern = VerifyKernel.get(config)
     counters = kern.cupy.ndarray((2, 9), dtype=kern.cupy.uint64, memptr=kern.module.get_global("vmla_phases"))
     results = {}
@@ -61,11 +65,14 @@ def main() -> None:
         ev[1].record()
         torch.cuda.synchronize()
         c = counters.get()
-        per_step = [[float(c[w][k]) / max(int(c[w][8]), 1) for k in range(8)] for w in range(2)]
+        if int(c[0][8]) == 0:
+            print(f"{case.name}: no 64-row steps (every row tile is a few-row one)")
+            continue
+        per_step = [[float(c[w][k]) / int(c[w][8]) for k in range(8)] for w in range(2)]
         results[case.name] = {
             "ms_per_launch": ev[0].elapsed_time(ev[1]) / a.reps,
             "steps": [int(c[w][8]) // a.reps for w in range(2)],
-            "cycles_per_step": {name: per_step[0][k : k + 1] + per_step[1][k : k + 1] for k, name in enumerate(PHASES)},
+            "cycles_per_step": {name: [per_step[0][k], per_step[1][k]] for k, name in enumerate(PHASES)},
         }
         r = results[case.name]
         print(f"{case.name}: {r['ms_per_launch']:.3f} ms a launch, {r['steps'][0]} steps a launch (64 keys each)")
