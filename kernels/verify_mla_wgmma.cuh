@@ -39,7 +39,7 @@ static_assert(LOAD_AHEAD >= 1, "the pipelined loop needs 3 stages");
 static_assert(!VMLA_WG_SPLIT_KEYS || (VMLA_STAGES == 4 && VMLA_WG_PIPE == 0),
               "the split-key loop is 4 stages: a 64-key step and the next, loaded a step ahead");
 static_assert(VMLA_WG_PIPE == 0 || VMLA_WG_PIPE == 1, "VMLA_WG_PIPE: 0 (QK then P V per tile) or 1 (pipelined)");
-static_assert(BN == 32, "the score fragments, the mask word and the PV k-steps assume 32-key tiles");
+static_assert(BN == 32 && NT == 4, "the score fragments (wgmma_qk), the mask word and the PV k-steps assume 32-key tiles");
 static_assert(VMLA_BM == 64 && VMLA_WARPS == 8, "the wgmma path is 64 rows, two warpgroups");
 
 struct Smem {
@@ -57,10 +57,6 @@ struct Smem {
 static_assert(sizeof(Smem::q) % 1024 == 0 && sizeof(Smem::kv[0]) % 1024 == 0, "atoms stay 1024-byte aligned");
 static_assert(VMLA_FUSED_MERGE_SEGS * BM * sizeof(float) <= sizeof(Smem::s), "the fused merge's weights fit the score buffer");
 
-__device__ __forceinline__ uint64_t opaque(uint64_t v) {
-  asm volatile("mov.b64 %0, %0;\n" : "+l"(v));
-  return v;
-}
 // Registers an in-flight wgmma reads or writes: keep the compiler from moving their uses above the wait (or
 // reusing P's registers before it), as if the wait had written them.
 __device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)); }
@@ -72,23 +68,8 @@ __device__ __forceinline__ void fence_operands(T (&r)[A][B]) {
 #pragma unroll
     for (int j = 0; j < B; ++j) fence_operand(r[i][j]);
 }
-// cp.async writes (generic proxy) visible to the tensor cores' reads (async proxy); before the barrier.
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// s (+)= A B^T over one k16 step: A = 64 x 16 (desc), B = 32 x 16 (desc), both K-major.
-__device__ __forceinline__ void wgmma_qk(float (&s)[NT][4], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]), "+f"(s[1][2]),
-        "+f"(s[1][3]), "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]), "+f"(s[3][0]), "+f"(s[3][1]),
-        "+f"(s[3][2]), "+f"(s[3][3])
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-
-// acc += P V over one k16 step of keys: P = 64 x 16 from registers (mma.sync A-fragment layout) or from shared
-// memory (desc, K-major), V = 16 keys x 256 columns (desc, N-major). The 128 accumulators are operands 0-127.
+// acc += P V over one k16 step of keys: P = 64 x 16 from registers (mma.sync A-fragment layout), V = 16 keys x 256
+// columns (desc, N-major). The 128 accumulators are operands 0-127.
 #define VMLA_D128 \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28," \
   "%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55," \
@@ -105,9 +86,6 @@ __device__ __forceinline__ void wgmma_pv(float (&acc)[PV_N / 8][4], const uint32
   asm volatile(VMLA_PV_OP ", {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
                : VMLA_ACC128
                : "r"(pa[0]), "r"(pa[1]), "r"(pa[2]), "r"(pa[3]), "l"(db));
-}
-__device__ __forceinline__ void wgmma_pv_ss(float (&acc)[PV_N / 8][4], uint64_t da, uint64_t db) {
-  asm volatile(VMLA_PV_OP ", %128, %129, p, 1, 1, 0, 1;\n}\n" : VMLA_ACC128 : "l"(da), "l"(db));
 }
 #undef VMLA_PV_OP
 #undef VMLA_ACC128

@@ -1,5 +1,5 @@
 // PTX wrappers of the warpgroup MMAs (sm_90a) that the Hopper body (verify_mla_wgmma.cuh) and its rate probe
-// (wgmma_probe.cu) share: shared-memory matrix descriptors, fence, commit, wait.
+// (wgmma_probe.cu) share: shared-memory matrix descriptors, fence, commit, wait, the proxy fence, the QK step.
 #pragma once
 
 #include "verify_mla_ptx.cuh"
@@ -18,5 +18,20 @@ __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.alig
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// cp.async writes (generic proxy) visible to the tensor cores' reads (async proxy); before the barrier.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// The QK step: s (+)= A B^T over one k16 step, A = 64 x 16 (desc), B = 32 x 16 (desc), both K-major (accumulate 0:
+// s = A B^T).
+__device__ __forceinline__ void wgmma_qk(float (&s)[4][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]), "+f"(s[1][2]),
+        "+f"(s[1][3]), "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]), "+f"(s[3][0]), "+f"(s[3][1]),
+        "+f"(s[3][2]), "+f"(s[3][3])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
 
 }  // namespace vmla_wg
