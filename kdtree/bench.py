@@ -123,16 +123,48 @@ def cycling(sets, step):
     return lambda: step(*next(it))
 
 
+def launch_outputs(cap: Capture, p, device="cuda"):
+    """(o [T, H, 512] bf16, lse [T, H], workspace): what a launch of plan `p` on `cap`'s batch writes."""
+    from kdtree.kernel import Workspace
+
+    T, H = cap.num_tokens, cap.meta.num_heads
+    o = torch.empty(T, H, 512, dtype=torch.bfloat16, device=device)
+    return o, torch.empty(T, H, device=device), Workspace.for_plan(p, device)
+
+
+@dataclass
+class CaseLaunch:
+    """One bench case ready for `VerifyKernel.launch` on `device`: its capture, plan and marshaled arguments, layer
+    0's q and pool, the outputs and workspace (what the timing and profiling scripts launch)."""
+
+    cap: Capture
+    plan: object  # kdtree.kernel.LaunchPlan
+    args: VerifyArgs
+    q: torch.Tensor
+    pool: torch.Tensor
+    o: torch.Tensor
+    lse: torch.Tensor
+    workspace: object  # kdtree.kernel.Workspace
+
+    def launch(self, kern) -> None:
+        kern.launch(self.plan, self.args, self.q, self.pool, self.o, self.lse, self.workspace)
+
+
+def case_launch(case: BenchCase, plan_fn, device="cuda") -> CaseLaunch:
+    """`case` synthesized, marshaled and planned by `plan_fn(args, num_heads)` (a host `LaunchPlan`), on `device`."""
+    cap = synthesize(case.spec(), reference=False)
+    args = marshal(cap)
+    p = plan_fn(args, cap.meta.num_heads).to(device)
+    return CaseLaunch(cap, p, args.to(device), cap.layer(0).q.to(device), cap.pool(0, device), *launch_outputs(cap, p, device))
+
+
 def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
-    from kdtree.kernel import VerifyKernel, Workspace
+    from kdtree.kernel import VerifyKernel
 
     kern = VerifyKernel.get()
-    T, H = cap.num_tokens, cap.meta.num_heads
-    p = kern.plan(args, H).to("cuda")
+    p = kern.plan(args, cap.meta.num_heads).to("cuda")
     dev = args.to("cuda")
-    ws = Workspace.for_plan(p)
-    o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(T, H, device="cuda")
+    o, lse, ws = launch_outputs(cap, p)
     fn = cycling(sets, lambda q, pool: kern.launch(p, dev, q, pool, o, lse, ws))
     info = {
         "grid": p.grid,

@@ -9,7 +9,6 @@ Usage: python3 scripts/phase_profile.py "32k x8" "dsv3-tp8 ddtree64 8k" [--reps 
 """
 
 import argparse
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -17,9 +16,7 @@ from pathlib import Path
 import torch
 
 from kdtree import bench
-from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, device_arch, plan
-from kdtree.marshal import marshal
-from kdtree.synth import synthesize
+from kdtree.kernel import KernelConfig, VerifyKernel, device_arch, plan
 
 PHASES = (
     "top: tiles landed, barrier",
@@ -41,27 +38,19 @@ def main() -> None:
     a = ap.parse_args()
     if device_arch() != "sm_90":
         raise SystemExit(f"the split-key loop is the Hopper body's (sm_90); this GPU is {device_arch()}")
-    extra = tuple((k, int(v)) for k, v in (d.split("=") for d in a.define))
-    base = KernelConfig.for_arch("sm_90a")
-    config = dataclasses.replace(base, extra=base.extra + extra + (("VMLA_PHASES", 1),))
+    config = KernelConfig.for_arch("sm_90a").with_defines([*a.define, "VMLA_PHASES=1"])
     kern = VerifyKernel.get(config)
     counters = kern.cupy.ndarray((2, 9), dtype=kern.cupy.uint64, memptr=kern.module.get_global("vmla_phases"))
     results = {}
     for case in bench.select_cases(a.cases):
-        cap = synthesize(case.spec(), reference=False)
-        args, H = marshal(cap), cap.meta.num_heads
-        p = plan(args, H, kern.num_sms, config).to("cuda")
-        ws, dev = Workspace.for_plan(p), args.to("cuda")
-        q, pool = cap.layer(0).q.cuda(), cap.pool(0, "cuda")
-        o = torch.empty(cap.num_tokens, H, 512, dtype=torch.bfloat16, device="cuda")
-        lse = torch.empty(cap.num_tokens, H, device="cuda")
-        kern.launch(p, dev, q, pool, o, lse, ws)  # warm-up
+        run = bench.case_launch(case, lambda args, H: plan(args, H, kern.num_sms, config))
+        run.launch(kern)  # warm-up
         torch.cuda.synchronize()
         counters.fill(0)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         ev[0].record()
         for _ in range(a.reps):
-            kern.launch(p, dev, q, pool, o, lse, ws)
+            run.launch(kern)
         ev[1].record()
         torch.cuda.synchronize()
         c = counters.get()

@@ -7,7 +7,6 @@ Usage: python3 scripts/trace_case.py "small tree" "small tree N8" [--reps 5]   (
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -17,9 +16,7 @@ import numpy as np
 import torch
 
 from kdtree import bench  # noqa: E402
-from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, device_arch, plan  # noqa: E402
-from kdtree.marshal import marshal  # noqa: E402
-from kdtree.synth import synthesize  # noqa: E402
+from kdtree.kernel import KernelConfig, VerifyKernel, device_arch, plan  # noqa: E402
 
 
 def segment_tiles(p) -> list[list[int]]:
@@ -70,24 +67,16 @@ def main():
     a = ap.parse_args()
     cases = bench.select_cases(a.cases, probes=True)
     base = KernelConfig.for_arch(device_arch())
-    extra = tuple((k, int(v)) for k, v in (d.split("=") for d in a.define))
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     max_grid = torch.cuda.get_device_properties(0).multi_processor_count * base.blocks_per_sm  # plan()'s largest grid
-    config = dataclasses.replace(base, extra=base.extra + extra + (("VMLA_TRACE", max_grid),))
+    config = base.with_defines([*a.define, f"VMLA_TRACE={max_grid}"])
     kern = VerifyKernel.get(config)
     trace_all = kern.cupy.ndarray((max_grid, 32), dtype=kern.cupy.uint64, memptr=kern.module.get_global("vmla_trace"))
     results = {}
     for case, su in ((c, su) for c in cases for su in a.segment_units):
-        cap = synthesize(case.spec(), reference=False)
-        args = marshal(cap)
-        H = cap.meta.num_heads
-        p = plan(args, H, kern.num_sms, config, segment_units=su).to("cuda")
-        ws = Workspace.for_plan(p)
+        run = bench.case_launch(case, lambda args, H, su=su: plan(args, H, kern.num_sms, config, segment_units=su))
+        p = run.plan
         trace = trace_all[: p.grid]  # this plan's blocks
-        q, pool = cap.layer(0).q.cuda(), cap.pool(0, "cuda")
-        o = torch.empty(cap.num_tokens, H, 512, dtype=torch.bfloat16, device="cuda")
-        lse = torch.empty(cap.num_tokens, H, device="cuda")
-        dev = args.to("cuda")
         tiles = segment_tiles(p)
         reps = []
         for _ in range(a.reps):
@@ -95,7 +84,7 @@ def main():
             trace.fill(0)
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             ev[0].record()
-            kern.launch(p, dev, q, pool, o, lse, ws)
+            run.launch(kern)
             ev[1].record()
             torch.cuda.synchronize()
             raw = trace.get()

@@ -242,3 +242,26 @@ def test_a_split_key_configuration_must_be_the_4_stage_wgmma_body():
         with pytest.raises(ValueError, match="wg_split"):
             dataclasses.replace(base, **bad)
     assert not dataclasses.replace(base, stages=3, wg_pipe=1, wg_split=False).wg_split
+
+
+def test_a_scripts_defines_become_switches():
+    """--define NAME=VALUE strings append to a configuration's switches; anything else is refused by name."""
+    base = KernelConfig(extra=(("VMLA_TRACE", 132),))
+    assert base.with_defines(["VMLA_SKIP_QK=1", "VMLA_X=-2"]).extra == (("VMLA_TRACE", 132), ("VMLA_SKIP_QK", 1), ("VMLA_X", -2))
+    assert base.with_defines([]) == base
+    for bad in ("VMLA_SKIP_QK", "=1", "VMLA_SKIP_QK=one"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            base.with_defines([bad])
+
+
+def test_a_case_is_set_up_for_one_launch():
+    """The timing scripts' setup: a bench case synthesized, marshaled and planned, with layer 0's q and pool and
+    outputs and a workspace sized for its plan, all on the device asked for."""
+    from kdtree.bench import case_launch, select_cases
+
+    (case,) = select_cases(["small tree"])
+    run = case_launch(case, lambda args, H: plan(args, H, 7, KernelConfig.for_arch("sm_90")), device="cpu")
+    T, H = run.cap.num_tokens, run.cap.meta.num_heads
+    assert run.plan.grid == 7 and run.q.shape == (T, H, 576) and run.o.shape == (T, H, 512) and run.lse.shape == (T, H)
+    assert run.workspace.part_o.shape[0] == max(1, run.plan.segments) and run.pool.shape[-1] == 576
+    assert run.args.tree_mask.device.type == "cpu"

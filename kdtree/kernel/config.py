@@ -138,6 +138,16 @@ class KernelConfig:
             "VMLA_SMEM_BYTES": self.smem_bytes,  # checked against the kernel's own size by a static_assert
         }
 
+    def with_defines(self, defines) -> "KernelConfig":
+        """This configuration with more -D switches, given as "NAME=VALUE" strings (a script's --define)."""
+        extra = []
+        for d in defines:
+            name, sep, value = d.partition("=")
+            if not sep or not name or not value.lstrip("-").isdigit():
+                raise ValueError(f"--define {d!r}: expected NAME=INTEGER")
+            extra.append((name, int(value)))
+        return dataclasses.replace(self, extra=self.extra + tuple(extra))
+
     def dims_split(self) -> "KernelConfig":
         """The same wgmma configuration with the warpgroups splitting a tile's dims (pipelined, 3 stages): the loop
         the split-key one replaced, kept as its reference."""

@@ -70,8 +70,8 @@ class LaunchPlan:
 # What a block pays for each segment it works on beyond its tiles, in units (docs/kernel-design.md, "Stream-K
 # plan"): an H200 trace of the dims-split wgmma segment (scripts/trace_case.py) put 6.4 us of a segment in its
 # prologue, first tile's wait and store, against 1.9-2.0 us a tile (3.3 units); timed side by side, 4 to 6 did
-# best. A split-key unit is 1.38 us (6.4 us: 4.6 units); a sweep on it (docs/bench/variants-segment-units-h200.log)
-# had 6 equal or better than 5 on six cases (mixed -6 %), not yet benched.
+# best. A split-key unit is 1.38 us (6.4 us: 4.6 units); 6 against 5 on it: mixed -5 %, small tree +4 %, the
+# geomean of the twelve bench cases' times 0.3 % lower, so 5 stays (docs/history/kernel-notes.md, "After v16").
 SEGMENT_OVERHEAD_UNITS = 5.0
 # A unit of a few-row tile (at most KernelConfig.few_rows rows: the mma.sync segment of the wgmma body) in units
 # of a 64-row wgmma unit (docs/kernel-design.md, "The few-row segment"): ~0.585 of a unit of the body whose
