@@ -3,7 +3,9 @@ torch implementation, **in the same run**, with the roofline from ceilings measu
 
 Timing: `triton.testing.do_bench` medians (it flushes L2 before every repetition), inputs rotated among
 several copies so repeated runs do not measure the cache. FLOPs are the dense count
-sum_b 2 * N * H * (prefix_b + N) * (576 + 512); bytes are q + o + the pool rows the step reads.
+sum_b 2 * N * H * (prefix_b + N) * (576 + 512); bytes are q + o + the pool rows the step reads. The kernel's
+gather rate counts the pool rows its plan loads into shared memory (a row once for every row tile that reads it),
+held against the L2 gather ceiling (kdtree.ceilings).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 from kdtree.capture import Capture
 from kdtree.marshal import VerifyArgs, marshal
 from kdtree.synth import SynthSpec, synthesize
+
+POOL_ROW_BYTES = 576 * 2  # one pool row: kv_lora_rank 512 + qk_rope_head_dim 64, bf16
 
 
 @dataclass(frozen=True)
@@ -94,14 +98,17 @@ def measure_ceilings(do_bench) -> dict:
         "matmul_bf16_tflops": 2 * n**3 / ms / 1e9,
         "copy_tbps": 2 * src.numel() * 4 / ms_copy / 1e9,
         "how": "8192^3 bf16 torch matmul on random data; 1 GiB device copy counting read + write; mma.sync "
-        "m16n8k16 bf16 microkernels (kernels/mma_ceiling.cu): operands in registers, and fed by ldmatrix",
+        "m16n8k16 bf16 microkernels (kernels/mma_ceiling.cu): operands in registers, and fed by ldmatrix; "
+        "pool rows gathered into shared memory by cp.async, one block an SM (kernels/gather_ceiling.cu), "
+        "from a 9.4 MB pool (L2) with 4 and 2 stages and from a 4.8 GB one (HBM)",
     }
-    from kdtree.ceilings import mma_sync_ceilings
+    from kdtree.ceilings import gather_ceilings, mma_sync_ceilings
 
-    try:
-        result.update(mma_sync_ceilings(do_bench))
-    except Exception as e:  # noqa: BLE001 - the other ceilings stand; the record says why these are missing
-        result["mma_sync_error"] = f"{type(e).__name__}: {e}"
+    for key, measure in (("mma_sync", mma_sync_ceilings), ("gather", gather_ceilings)):
+        try:
+            result.update(measure(do_bench))
+        except Exception as e:  # noqa: BLE001 - the other ceilings stand; the record says why these are missing
+            result[f"{key}_error"] = f"{type(e).__name__}: {e}"
     return result
 
 
@@ -169,6 +176,8 @@ def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
     info = {
         "grid": p.grid,
         "units": p.units,
+        "gathered_bytes": gathered_bytes(p.units, p.config.bn),
+        "stages": p.config.stages,
         "segments": p.segments,
         "bm": p.config.bm,
         "wgmma": p.config.wgmma,
@@ -236,7 +245,9 @@ def run(cases=ALL_CASES, *, with_sglang: bool = True, min_rotation_bytes: float 
     log(
         f"ceilings: bf16 matmul {ceilings['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s, "
         f"mma.sync raw {ceilings.get('mma_sync_raw_tflops', float('nan')):.0f} / ldmatrix-fed "
-        f"{ceilings.get('mma_sync_ldmatrix_tflops', float('nan')):.0f} TFLOP/s"
+        f"{ceilings.get('mma_sync_ldmatrix_tflops', float('nan')):.0f} TFLOP/s, gather L2 "
+        f"{ceilings.get('gather_l2_tbps', float('nan')):.2f} / {ceilings.get('gather_l2_2stages_tbps', float('nan')):.2f} "
+        f"(2 stages), HBM {ceilings.get('gather_hbm_tbps', float('nan')):.2f} TB/s"
     )
     from kdtree.sglang import extend_attention
 
@@ -275,7 +286,9 @@ def run(cases=ALL_CASES, *, with_sglang: bool = True, min_rotation_bytes: float 
         if "sglang" in r.impls and "ms" in r.impls["sglang"] and "ms" in r.impls.get("kdtree", {}):
             r.impls["kdtree"]["speedup_vs_sglang"] = r.impls["sglang"]["ms"] / r.impls["kdtree"]["ms"]
         if "tflops" in r.impls.get("kdtree", {}):
-            r.impls["kdtree"]["fraction_of"] = ceiling_fractions(r.impls["kdtree"]["tflops"], ceilings)
+            k = r.impls["kdtree"]
+            k["gather_tbps"] = k["gathered_bytes"] / k["ms"] / 1e9
+            k["fraction_of"] = ceiling_fractions(k["tflops"], ceilings) | gather_fraction(k["gather_tbps"], k["stages"], ceilings)
         results.append(r)
         log(format_row(r))
         sets = outs = None  # free this case's tensors before the next
@@ -297,6 +310,17 @@ def ceiling_fractions(tflops: float, ceilings: dict) -> dict:
     """An achieved rate as fractions of each measured ceiling it can be held against (matmul, mma.sync)."""
     keys = ("matmul_bf16_tflops", "mma_sync_raw_tflops", "mma_sync_ldmatrix_tflops")
     return {k.removesuffix("_tflops"): tflops / ceilings[k] for k in keys if ceilings.get(k)}
+
+
+def gathered_bytes(units: int, bn: int) -> int:
+    """Pool-row bytes a launch gathers into shared memory: every (row tile, key tile) unit loads its BN rows."""
+    return units * bn * POOL_ROW_BYTES
+
+
+def gather_fraction(gather_tbps: float, stages: int, ceilings: dict) -> dict:
+    """A launch's gather rate as a fraction of the L2 gather ceiling measured with its stage count (2, or 4)."""
+    key = "gather_l2_2stages_tbps" if stages <= 2 else "gather_l2_tbps"
+    return {"gather_l2": gather_tbps / ceilings[key]} if ceilings.get(key) else {}
 
 
 def geomean(values) -> float | None:
@@ -324,13 +348,18 @@ def summary_table(result: dict) -> str:
     ceilings were measured the fraction of each (the sm_120 configuration's yardsticks)."""
     ceil = result["ceilings"]
     mma = bool(ceil.get("mma_sync_raw_tflops") and ceil.get("mma_sync_ldmatrix_tflops"))
+    gath = bool(ceil.get("gather_l2_tbps"))
     head = f"{result['device']}: bf16 matmul {ceil['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s"
     if mma:
         head += f", mma.sync {ceil['mma_sync_raw_tflops']:.0f} raw / {ceil['mma_sync_ldmatrix_tflops']:.0f} ldmatrix-fed TFLOP/s"
+    if gath:
+        head += f", gather L2 {ceil['gather_l2_tbps']:.2f} TB/s ({ceil.get('gather_l2_2stages_tbps', float('nan')):.2f} with 2 stages)"
+        head += f", HBM {ceil.get('gather_hbm_tbps', float('nan')):.2f}"
     lines = [
         head,
         f"{'case':28s} {'kdtree ms':>10s} {'sglang ms':>10s} {'torch ms':>10s} {'speedup':>8s} {'TF/s':>6s} {'floor ms':>9s} {'%floor':>7s}"
-        + (f" {'%matmul':>8s} {'%mma':>6s} {'%ldsm':>6s}" if mma else ""),
+        + (f" {'%matmul':>8s} {'%mma':>6s} {'%ldsm':>6s}" if mma else "")
+        + (f" {'gath TB/s':>9s} {'%gath':>6s}" if gath else ""),
     ]
     for c in result["cases"]:
         k, s, t = (c["impls"].get(n, {}) for n in ("kdtree", "sglang", "torch"))
@@ -344,6 +373,11 @@ def summary_table(result: dict) -> str:
             line += "".join(
                 f" {100 * fr[key]:{w - 1}.0f}%" if key in fr else f" {'-':>{w}s}"
                 for key, w in (("matmul_bf16", 8), ("mma_sync_raw", 6), ("mma_sync_ldmatrix", 6))
+            )
+        if gath:
+            fr = k.get("fraction_of", {})
+            line += f" {f(k, 'gather_tbps', '9.2f')}" + (
+                f" {100 * fr['gather_l2']:5.0f}%" if "gather_l2" in fr else f" {'-':>6s}"
             )
         lines.append(line)
     if result.get("geomean_speedup_vs_sglang"):

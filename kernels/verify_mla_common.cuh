@@ -4,7 +4,6 @@
 #pragma once
 #include <cuda_bf16.h>
 
-#include "verify_mla_bits.cuh"
 #include "verify_mla_config.cuh"
 #include "verify_mla_hooks.cuh"
 #include "verify_mla_ptx.cuh"
@@ -72,15 +71,11 @@ __device__ __forceinline__ uint32_t visible_keys(const Args& a, int key0, int k_
     const int* row = a.tree_mask + static_cast<int64_t>(token) * a.mask_words;
     const uint32_t w0 = row[ja >> 5], w1 = (jb >> 5) != (ja >> 5) ? row[jb >> 5] : 0u;
     uint32_t seen = j0 < 0 ? (1u << -j0) - 1u : 0u;  // the prefix keys (j0 > -COLS here)
-#if VMLA_MASK_FUNNEL
-    seen |= vmla_bits::draft_bits(j0, ja, jb, w0, w1);
-#else
 #pragma unroll
     for (int c = 0; c < COLS; ++c) {
       const int j = j0 + c;
       if (j >= ja && j <= jb) seen |= ((((j >> 5) == (ja >> 5) ? w0 : w1) >> (j & 31)) & 1u) << c;
     }
-#endif
     bits &= seen;
   }
   return bits;

@@ -35,7 +35,7 @@ for w in "$@"; do
                [ -n "$ref" ] && step bench-ref 240 env PYTHONPATH="$PWD/${ref%/}:$PYTHONPATH" python3 -m kdtree bench -o "$OUT/ref" --no-sglang ;;
     test) step test-gpu 480 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
     variants) step variants 300 python3 scripts/variants.py ;;
-    notebooks) [ -f .whl/nb312.tar.xz ] && mkdir -p /tmp/site && tar -xJf .whl/nb312.tar.xz -C /tmp/site \
+    notebooks) [ -f .whl/nbsite312.tar.xz ] && mkdir -p /tmp/site && tar -xJf .whl/nbsite312.tar.xz -C /tmp/site \
                  && export PYTHONPATH="/tmp/site:$PYTHONPATH"  # the notebook stack for cp312, when carried
                step notebooks 420 python3 -m pytest -q -rs tests/test_notebooks.py ;;
     sglang) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1  # the plugin's entry point

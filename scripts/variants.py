@@ -37,9 +37,6 @@ VARIANTS = {
     "bm64_16warps": (KernelConfig(**(BM64 | dict(warps=16, khalves=2))), {}),  # 128 registers each: spills
     # the tree mask read key by key (the bit-equality reference)
     "no_fast_mask": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 0),)), {}),
-    # the draft keys' mask bits as one funnel shift instead of a predicated loop over the keys (the same bits)
-    "wgmma_funnel": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), extra=(("VMLA_MASK_FUNNEL", 1),)), {}),
-    "bm32_funnel": (KernelConfig(extra=(("VMLA_MASK_FUNNEL", 1),)), {}),
     # BM 32 in blocks of 4 warps, two resident per SM (independent barriers: one block's softmax under the other's MMAs)
     "bm32_w4x2": (KernelConfig(warps=4, khalves=1, kpasses=2, blocks_per_sm=2), {}),
     "bm32_w4x1": (KernelConfig(warps=4, khalves=1, kpasses=2), {}),

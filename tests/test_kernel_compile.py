@@ -55,10 +55,10 @@ def test_every_candidate_configuration_fits_without_spills():
             assert fwd.ok and fwd.bm == config.bm, fwd.line()
 
 
-@pytest.mark.parametrize("switches", [(("VMLA_FAST_MASK", 0),), (("VMLA_MASK_FUNNEL", 1),)], ids=["per-key-mask", "funnel-mask"])
+@pytest.mark.parametrize("switches", [(("VMLA_FAST_MASK", 0),)], ids=["per-key-mask"])
 def test_optional_switches_compile_and_fit(switches):
-    """Switches off by default (the per-key mask, the bit-equality reference; the funnel-shift mask bits, not yet
-    timed) still compile, without spills, everywhere."""
+    """Switches off by default (the per-key mask, the bit-equality reference) still compile, without spills,
+    everywhere."""
     for arch in ("sm_120", "sm_90"):
         for config in KernelConfig.candidates(arch):
             (fwd,) = [r for r in compile_report(arch, dataclasses.replace(config, extra=switches)) if r.name == "verify_mla_fwd"]
@@ -170,6 +170,18 @@ def test_mma_ceiling_microkernels_compile_without_spills(arch):
     _, log = nvrtc_compile(arch, KernelConfig(), source=SOURCE)
     reports = {r.name: r for r in parse_ptxas(log, arch, KernelConfig())}
     assert set(reports) == set(KERNELS)
+    for r in reports.values():
+        assert r.spill_stores == r.spill_loads == r.stack_bytes == 0 and r.registers <= 64, r.line()
+
+
+@pytest.mark.parametrize("arch", ["sm_120", "sm_90"])
+def test_gather_ceiling_microkernels_compile_without_spills(arch):
+    """kdtree bench's gather ceilings (kernels/gather_ceiling.cu): every entry point GATHERS names, no local memory."""
+    from kdtree.ceilings import GATHER_SOURCE, GATHERS
+
+    _, log = nvrtc_compile(arch, KernelConfig(), source=GATHER_SOURCE)
+    reports = {r.name: r for r in parse_ptxas(log, arch, KernelConfig())}
+    assert set(reports) == {entry for entry, _ in GATHERS.values()}
     for r in reports.values():
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0 and r.registers <= 64, r.line()
 

@@ -40,7 +40,7 @@ def test_sglang_bench_figure_from_a_measured_result():
 
 
 def test_bench_summary_reports_fractions_of_every_ceiling_and_the_geomean():
-    from kdtree.bench import ALL_CASES, ceiling_fractions, geomean, summary_table
+    from kdtree.bench import ALL_CASES, ceiling_fractions, gather_fraction, gathered_bytes, geomean, summary_table
 
     assert geomean([2.0, 8.0, None]) == pytest.approx(4.0) and geomean([None]) is None
     ceilings = {"matmul_bf16_tflops": 800.0, "copy_tbps": 4.0, "mma_sync_raw_tflops": 600.0, "mma_sync_ldmatrix_tflops": 400.0}
@@ -58,7 +58,20 @@ def test_bench_summary_reports_fractions_of_every_ceiling_and_the_geomean():
         fr = ceiling_fractions(c["impls"]["kdtree"]["tflops"], result["ceilings"])
         assert line.split()[-3:] == [f"{100 * fr[k]:.0f}%" for k in ("matmul_bf16", "mma_sync_raw", "mma_sync_ldmatrix")]
     del result["ceilings"]["mma_sync_raw_tflops"]  # a run without the mma.sync ceilings has no such columns
-    assert "%mma" not in summary_table(result)
+    assert "%mma" not in summary_table(result) and "%gath" not in summary_table(result)
+    # the gather rate against the L2 gather ceiling of the launch's stage count
+    result["ceilings"] |= {"gather_l2_tbps": 5.0, "gather_l2_2stages_tbps": 4.0, "gather_hbm_tbps": 3.0}
+    for c, stages in zip(result["cases"], (4, 2) * 6):
+        k = c["impls"]["kdtree"]
+        k["gather_tbps"] = gathered_bytes(k["units"], 32) / k["ms"] / 1e9
+        k["fraction_of"] = gather_fraction(k["gather_tbps"], stages, result["ceilings"])
+    table = summary_table(result).splitlines()
+    assert "gather L2 5.00 TB/s (4.00 with 2 stages), HBM 3.00" in table[0] and table[1].split()[-2:] == ["TB/s", "%gath"]
+    for i, (c, line) in enumerate(zip(result["cases"], table[2:])):
+        k = c["impls"]["kdtree"]
+        want = k["units"] * 32 * 1152 / k["ms"] / 1e9
+        assert line.split()[-2:] == [f"{want:.2f}", f"{100 * want / (5.0 if i % 2 == 0 else 4.0):.0f}%"]
+    assert gather_fraction(1.0, 4, {"gather_l2_2stages_tbps": 4.0}) == {}
     # the four shapes beside the eight; N 1 is a one-token chain, not a DDTree of budget 0
     names = [c.name for c in ALL_CASES]
     assert len(names) == len(set(names)) == 12
