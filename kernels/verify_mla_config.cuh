@@ -56,10 +56,6 @@
 #define VMLA_FAST_MASK 1  // the softmax step's tree mask as one bit word per thread (<= 2 mask loads, no branches
                           // per key): -4 to -6 % on the H200, same bits (0: the mask read key by key)
 #endif
-#ifndef VMLA_MASK_FUNNEL
-#define VMLA_MASK_FUNNEL 0  // with the fast mask: the draft keys' bits as one funnel shift of the two mask words
-                            // (vmla_bits::draft_bits, the same bits) instead of a predicated loop over the keys
-#endif
 #ifndef VMLA_FEW_ROWS
 #define VMLA_FEW_ROWS 0  // wgmma body: row tiles of at most this many rows (<= 16) run the mma.sync few-row
                          // segment (verify_segment_few) instead of a 64-row wgmma tile; 0: none
