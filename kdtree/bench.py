@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 
 from kdtree.capture import Capture
+from kdtree.ceilings import POOL_ROW_BYTES
 from kdtree.marshal import VerifyArgs, marshal
 from kdtree.synth import SynthSpec, synthesize
-
-POOL_ROW_BYTES = 576 * 2  # one pool row: kv_lora_rank 512 + qk_rope_head_dim 64, bf16
 
 
 @dataclass(frozen=True)

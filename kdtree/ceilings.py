@@ -18,9 +18,10 @@ GATHER_SOURCE = KERNEL_DIR / "gather_ceiling.cu"
 KERNELS = {"mma_raw": 8, "mma_ldmatrix": 8}  # entry point: MMAs a warp issues per loop iteration
 THREADS, BLOCKS_PER_SM, ITERS = 256, 4, 4096
 FLOP_PER_MMA = 2 * 16 * 8 * 16  # m16n8k16
-ROW_BYTES, TILE_ROWS = 576 * 2, 32  # a pool row (kv_lora_rank 512 + rope 64, bf16); rows a tile
-# name -> (entry point (its stages), pool rows): 8,192 rows are 9.4 MB (L2-resident), 4M rows 4.8 GB (HBM)
-GATHERS = {"gather_l2": ("gather_4", 1 << 13), "gather_l2_2stages": ("gather_2", 1 << 13), "gather_hbm": ("gather_4", 1 << 22)}
+POOL_ROW_BYTES, TILE_ROWS = 576 * 2, 32  # a pool row (kv_lora_rank 512 + rope 64, bf16); rows a tile
+# name -> (stages, pool rows); stages S runs entry point gather_S. 8,192 rows are 9.4 MB (L2-resident), 4M rows
+# 4.8 GB (HBM)
+GATHERS = {"gather_l2": (4, 1 << 13), "gather_l2_2stages": (2, 1 << 13), "gather_hbm": (4, 1 << 22)}
 GATHER_TILES = 1024  # tiles a block gathers a launch (even; ~4.9 GB on 132 SMs: the pool's first touch is noise)
 
 
@@ -68,11 +69,11 @@ def gather_ceilings(do_bench) -> dict:
     out = torch.empty(sms * THREADS, dtype=torch.int32, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     result = {}
-    for name, (entry, rows) in GATHERS.items():
-        stages = int(entry.removeprefix("gather_"))
+    for name, (stages, rows) in GATHERS.items():
+        entry = f"gather_{stages}"
         fn = module.get_function(entry)
-        fn.max_dynamic_shared_size_bytes = smem = stages * TILE_ROWS * ROW_BYTES
-        pool = torch.ones(rows, ROW_BYTES // 2, dtype=torch.bfloat16, device="cuda")
+        fn.max_dynamic_shared_size_bytes = smem = stages * TILE_ROWS * POOL_ROW_BYTES
+        pool = torch.ones(rows, POOL_ROW_BYTES // 2, dtype=torch.bfloat16, device="cuda")
         slots = torch.randint(0, rows, (1 << 22,), dtype=torch.int32, device="cuda", generator=gen)
         args = (np.uint64(pool.data_ptr()), np.uint64(slots.data_ptr()), np.int32(slots.numel() - 1))
         args += (np.int32(GATHER_TILES), np.uint64(out.data_ptr()))
@@ -85,6 +86,6 @@ def gather_ceilings(do_bench) -> dict:
         torch.cuda.synchronize()
         if bool(out.any()):  # each word a thread sees is the pool's (two bf16 ones): an even count XORs to 0
             raise RuntimeError(f"{entry} saw other bytes than the pool's: {out.unique().tolist()[:4]}")
-        result[f"{name}_tbps"] = sms * GATHER_TILES * TILE_ROWS * ROW_BYTES / do_bench(launch) / 1e9
+        result[f"{name}_tbps"] = sms * GATHER_TILES * TILE_ROWS * POOL_ROW_BYTES / do_bench(launch) / 1e9
         del pool, slots
     return result
