@@ -376,7 +376,9 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
     if (VMLA_FEW_ROWS > 0 && (a.qo_indptr[b + 1] - a.qo_indptr[b]) * num_heads - rt_row0[rt] <= VMLA_FEW_ROWS)
       vmla_wg::verify_segment_few(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
     else
-#if VMLA_WG_SPLIT_KEYS
+#if VMLA_WG_SPLIT_KEYS && VMLA_WG_SEESAW64
+      vmla_wg::verify_segment_seesaw64(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
+#elif VMLA_WG_SPLIT_KEYS
       vmla_wg::verify_segment_split_keys(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
 #else
       vmla_wg::verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);

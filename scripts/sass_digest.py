@@ -37,7 +37,9 @@ def main() -> None:
     for arch, config in TARGETS:
         cubin, _ = nvrtc_compile(arch, config)
         digest = hashlib.sha256(sass(cubin, a.nvdisasm).encode()).hexdigest()[:16]
-        print(f"{arch:7s} bm{config.bm:<3d} wgmma={int(config.wgmma)} few_rows={config.few_rows:<3d} {digest}")
+        print(
+            f"{arch:7s} bm{config.bm:<3d} wgmma={int(config.wgmma)} few_rows={config.few_rows:<3d} blocks64={int(config.wg_blocks64)} {digest}"
+        )
 
 
 if __name__ == "__main__":

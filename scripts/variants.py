@@ -37,6 +37,8 @@ VARIANTS = {
     "bm64_16warps": (KernelConfig(**(BM64 | dict(warps=16, khalves=2))), {}),  # 128 registers each: spills
     # the tree mask read key by key (the bit-equality reference)
     "no_fast_mask": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 0),)), {}),
+    # FlashMLA's schedule on 64-key blocks (verify_segment_seesaw64; no few-row tiles beside it)
+    "wgmma_seesaw64": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True), {}),
     # BM 32 in blocks of 4 warps, two resident per SM (independent barriers: one block's softmax under the other's MMAs)
     "bm32_w4x2": (KernelConfig(warps=4, khalves=1, kpasses=2, blocks_per_sm=2), {}),
     "bm32_w4x1": (KernelConfig(warps=4, khalves=1, kpasses=2), {}),

@@ -1,5 +1,7 @@
 """The stream-K launch plan, checked on the CPU by walking it the way the kernel does."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -108,10 +110,12 @@ def test_fused_merge_only_for_short_splits(cap, arch):
 
 
 def test_the_plan_picks_the_cheaper_configuration_per_batch():
-    """By the cost model fitted to one H200 run: on sm_90 (the split-key wgmma body at 64 rows with and without
-    few-row tiles, mma.sync at 32) 32k x4 takes the wgmma segment without few-row tiles, everything else the wgmma
-    segment with them (v16 measured mma.sync at 32 rows 1.15x a wgmma unit's time: 4k 0.050 vs 0.037 ms); where 64
-    rows means mma.sync (sm_100), the small tree and the 4k batch take 32 rows (v7: 0.088 vs 0.098 ms)."""
+    """By the cost model fitted to H200 runs: on sm_90 (the split-key wgmma body at 64 rows with and without
+    few-row tiles, FlashMLA's schedule on 64-key blocks, mma.sync at 32) the small tree and the 4k batch keep the
+    split-key body with few-row tiles (v17: 0.054 / 0.038 ms against 0.062 / 0.039 on 64-key blocks, whose segments
+    cost more), the long batches take 64-key blocks (32k x4 1.14 against 1.43 ms; v16 measured mma.sync at 32 rows
+    1.15x a wgmma unit's time); where 64 rows means mma.sync (sm_100), the small tree and the 4k batch take 32
+    rows (v7: 0.088 vs 0.098 ms)."""
     from kdtree.bench import CASES
     from kdtree.kernel import choose_plan
 
@@ -121,19 +125,21 @@ def test_the_plan_picks_the_cheaper_configuration_per_batch():
         for case in CASES:
             cap = synthesize(case.spec(), reference=False)
             c = choose_plan(marshal(cap), cap.meta.num_heads, 132, configs).config
-            out[case.name] = ("wgmma" if c.wgmma else "mma") + str(c.bm) + ("-few" if c.few_rows else "")
+            out[case.name] = (
+                ("wgmma" if c.wgmma else "mma") + str(c.bm) + ("-few" if c.few_rows else "") + ("-b64" if c.wg_blocks64 else "")
+            )
         return out
 
-    assert [(c.wgmma, c.bm, c.few_rows) for c in KernelConfig.candidates("sm_90")] == [
-        (True, 64, 16),
-        (True, 64, 0),
-        (False, 32, 0),
+    assert [(c.wgmma, c.bm, c.few_rows, c.wg_blocks64) for c in KernelConfig.candidates("sm_90")] == [
+        (True, 64, 16, False),
+        (True, 64, 0, True),
+        (True, 64, 0, False),
+        (False, 32, 0, False),
     ]
     assert KernelConfig.candidates("sm_120") == (KernelConfig(),)
     hopper = chosen("sm_90")
-    # 32k x4: 132 row tiles (4 x 32 full + 4 few) fill the grid one a block; cheaper few-row tiles would split them
-    assert hopper.pop("kimi-tp8 ddtree256 32k x4") == "wgmma64", hopper
-    assert set(hopper.values()) == {"wgmma64-few"}, hopper
+    assert hopper.pop("kimi-tp8 small tree") == hopper.pop("kimi-tp8 ddtree64 4k") == "wgmma64-few", hopper
+    assert set(hopper.values()) == {"wgmma64-b64"}, hopper
     blackwell_dc = chosen("sm_100")
     assert blackwell_dc["kimi-tp8 small tree"] == blackwell_dc["kimi-tp8 ddtree64 4k"] == "mma32", blackwell_dc
     assert all(v == "mma64" for k, v in blackwell_dc.items() if any(s in k for s in ("8k x8", "32k", "128k", "kimi-dp"))), (
@@ -265,3 +271,15 @@ def test_a_case_is_set_up_for_one_launch():
     assert run.plan.grid == 7 and run.q.shape == (T, H, 576) and run.o.shape == (T, H, 512) and run.lse.shape == (T, H)
     assert run.workspace.part_o.shape[0] == max(1, run.plan.segments) and run.pool.shape[-1] == 576
     assert run.args.tree_mask.device.type == "cpu"
+
+
+def test_64_key_block_schedule_needs_the_split_key_layout_and_no_few_row_tiles():
+    """KernelConfig.wg_blocks64 runs FlashMLA's schedule in the split-key body's four stages, and beside the
+    few-row segment it spills: a configuration asking for either other layout is refused by name."""
+    hopper = KernelConfig.for_arch("sm_90")
+    b64 = dataclasses.replace(hopper, few_rows=0, wg_blocks64=True)
+    assert b64.defines()["VMLA_WG_SEESAW64"] == 1 and hopper.defines()["VMLA_WG_SEESAW64"] == 0
+    with pytest.raises(ValueError, match="wg_blocks64 needs wg_split and few_rows=0"):
+        dataclasses.replace(hopper, wg_blocks64=True)  # few-row tiles
+    with pytest.raises(ValueError, match="wg_blocks64 needs wg_split"):
+        dataclasses.replace(hopper.dims_split(), few_rows=0, wg_blocks64=True)

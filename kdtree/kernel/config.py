@@ -80,6 +80,8 @@ class KernelConfig:
     wg_pipe: int = 0  # wgmma segment: 1 = QK of tile t and P V of tile t-1 in flight together (3 stages)
     wg_split: bool = False  # wgmma segment: each warpgroup scores its own tile of a 64-key step over all dims
     # (no partial-score exchange; 4 stages, wg_pipe 0)
+    wg_blocks64: bool = False  # split-key layout: FlashMLA's schedule on 64-key blocks (verify_segment_seesaw64;
+    # QK at N 64, the running max passed between the warpgroups, no few-row tiles)
     few_rows: int = 0  # wgmma segment: row tiles of at most this many rows (<= 16) run the mma.sync few-row
     # segment, at few_row_weight(config) of a unit (0: every tile is a 64-row wgmma tile)
     extra: tuple[tuple[str, int], ...] = ()  # more -D switches (timing experiments)
@@ -89,6 +91,11 @@ class KernelConfig:
             raise ValueError(
                 f"KernelConfig.wg_split needs the wgmma body with stages=4 and wg_pipe=0 "
                 f"(got wgmma={self.wgmma}, stages={self.stages}, wg_pipe={self.wg_pipe})"
+            )
+        if self.wg_blocks64 and not (self.wg_split and self.few_rows == 0):
+            raise ValueError(
+                f"KernelConfig.wg_blocks64 needs wg_split and few_rows=0 (beside the few-row segment it spills; got "
+                f"wg_split={self.wg_split}, few_rows={self.few_rows})"
             )
 
     @classmethod
@@ -108,14 +115,17 @@ class KernelConfig:
     def candidates(cls, arch: str) -> tuple["KernelConfig", ...]:
         """The configurations `choose_plan` picks from on this target, the default first: parts with ~227 KB
         also have the 32-row kernel, which wins on small batches of short trees (fewer padding rows); on Hopper
-        the wgmma segment also without few-row tiles (a batch whose row tiles fill the grid one a block, such as
-        32k x4, would otherwise be split everywhere to balance the cheaper tiles).
+        FlashMLA's schedule on 64-key blocks (the long batches: ~0.82 of a split-key unit, but each segment costs
+        more and it has no few-row tiles) and the split-key body without few-row tiles (a batch whose row tiles
+        fill the grid one a block, such as 32k x4, would otherwise be split everywhere to balance the cheaper
+        tiles).
         "sm_90a" names the wgmma segment alone (KDTREE_KERNEL_TARGET=sm_90a: tests and experiments)."""
         first = cls.for_arch(arch)
         if first == cls() or arch == "sm_90a":
             return (first,)
         if first.few_rows:
-            return (first, dataclasses.replace(first, few_rows=0), cls())
+            nofew = dataclasses.replace(first, few_rows=0)
+            return (first, dataclasses.replace(nofew, wg_blocks64=True), nofew, cls())
         return (first, cls())
 
     def defines(self) -> dict[str, int]:
@@ -133,6 +143,7 @@ class KernelConfig:
             "VMLA_WGMMA": int(self.wgmma),
             "VMLA_WG_PIPE": self.wg_pipe,
             "VMLA_WG_SPLIT_KEYS": int(self.wg_split),
+            "VMLA_WG_SEESAW64": int(self.wg_blocks64),
             "VMLA_FEW_ROWS": self.few_rows,
             "VMLA_FUSED_MERGE_SEGS": FUSED_MERGE_SEGS,  # the plan's bound, so the two cannot disagree
             "VMLA_SMEM_BYTES": self.smem_bytes,  # checked against the kernel's own size by a static_assert

@@ -239,15 +239,24 @@ def plan(
 # the H200 (the wgmma body with split keys, no few-row tiles): u(BM 32) / u(wgmma) = 1.15, s / u = 18.9 at BM 64
 # and 11.6 at BM 32 (0.29 and 0.36 a row); mma.sync at BM 64 measured 1.30-1.34x the dims-split wgmma body's time
 # on the long cases, which is 1.36x the split-key body's.
-UNIT_COST = {"wgmma64": 1.0, "mma64": 1.8, "mma32": 1.15}
+# FlashMLA's schedule on 64-key blocks ("wgmma64_b64"), fitted the same way to one H200 run of the twelve:
+# u 0.817 of the split-key body's and s 1.31x (blocks padded to pairs, the prologue waits for two whole blocks).
+UNIT_COST = {"wgmma64": 1.0, "wgmma64_b64": 0.82, "mma64": 1.8, "mma32": 1.15}
 SEGMENT_COST_PER_ROW = 0.3
+SEGMENT_COST_SCALE = {"wgmma64_b64": 1.31}
+
+
+def cost_kind(config: KernelConfig) -> str:
+    """The cost model's name for a configuration's segment body."""
+    return f"{'wgmma' if config.wgmma else 'mma'}{config.bm}" + ("_b64" if config.wg_blocks64 else "")
 
 
 def estimated_cost(p: LaunchPlan) -> float:
     """A plan's time per block in wgmma units (for choosing between configurations, not a prediction in ms)."""
-    kind = f"{'wgmma' if p.config.wgmma else 'mma'}{p.config.bm}"
+    kind = cost_kind(p.config)
     unit = UNIT_COST.get(kind, p.config.bm / 64 * UNIT_COST["mma64"])
-    return (p.work * unit + p.segments * SEGMENT_COST_PER_ROW * p.config.bm) / p.grid
+    segment = SEGMENT_COST_PER_ROW * p.config.bm * SEGMENT_COST_SCALE.get(kind, 1.0)
+    return (p.work * unit + p.segments * segment) / p.grid
 
 
 def choose_plan(args: VerifyArgs, num_heads: int, num_sms: int, configs: tuple[KernelConfig, ...]) -> LaunchPlan:
