@@ -87,6 +87,12 @@ __device__ __forceinline__ void wgmma_pv(float (&acc)[PV_N / 8][4], const uint32
                : VMLA_ACC128
                : "r"(pa[0]), "r"(pa[1]), "r"(pa[2]), "r"(pa[3]), "l"(db));
 }
+// acc += P V over one k16 step, P = 64 x 16 from shared memory (desc, K-major), V = 16 keys x 256 (desc, N-major).
+__device__ __forceinline__ void wgmma_pv_ss(float (&acc)[PV_N / 8][4], uint64_t da, uint64_t db) {
+  asm volatile(VMLA_PV_OP ", %128, %129, p, 1, 1, 0, 1;\n}\n"
+               : VMLA_ACC128
+               : "l"(da), "l"(db));
+}
 #undef VMLA_PV_OP
 #undef VMLA_ACC128
 #undef VMLA_ACC8
@@ -566,27 +572,6 @@ __device__ __forceinline__ void wgmma_qk64(float (&s)[8][4], uint64_t da, uint64
         "+f"(s[7][0]), "+f"(s[7][1]), "+f"(s[7][2]), "+f"(s[7][3])
       : "l"(da), "l"(db), "r"(accumulate));
 }
-#define VMLA_D128 \
-  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28," \
-  "%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55," \
-  "%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82," \
-  "%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107," \
-  "%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}"
-#define VMLA_ACC8(i) "+f"(acc[i][0]), "+f"(acc[i][1]), "+f"(acc[i][2]), "+f"(acc[i][3]), \
-  "+f"(acc[i + 1][0]), "+f"(acc[i + 1][1]), "+f"(acc[i + 1][2]), "+f"(acc[i + 1][3])
-#define VMLA_ACC128 VMLA_ACC8(0), VMLA_ACC8(2), VMLA_ACC8(4), VMLA_ACC8(6), VMLA_ACC8(8), VMLA_ACC8(10), \
-  VMLA_ACC8(12), VMLA_ACC8(14), VMLA_ACC8(16), VMLA_ACC8(18), VMLA_ACC8(20), VMLA_ACC8(22), VMLA_ACC8(24), \
-  VMLA_ACC8(26), VMLA_ACC8(28), VMLA_ACC8(30)
-// acc += P V over one k16 step, P = 64 x 16 from shared memory (desc, K-major), V = 16 keys x 256 (desc, N-major).
-__device__ __forceinline__ void wgmma_pv_ss(float (&acc)[PV_N / 8][4], uint64_t da, uint64_t db) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " VMLA_D128
-               ", %128, %129, p, 1, 1, 0, 1;\n}\n"
-               : VMLA_ACC128
-               : "l"(da), "l"(db));
-}
-#undef VMLA_ACC128
-#undef VMLA_ACC8
-#undef VMLA_D128
 
 // A descriptor the compiler must treat as new at each use: otherwise it hoists the 36 QK (and 8 P V) descriptors
 // out of the block loop and holds them in registers.
