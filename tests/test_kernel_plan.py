@@ -112,9 +112,9 @@ def test_fused_merge_only_for_short_splits(cap, arch):
 def test_the_plan_picks_the_cheaper_configuration_per_batch():
     """By the cost model fitted to H200 runs: on sm_90 (the split-key wgmma body at 64 rows with and without
     few-row tiles, FlashMLA's schedule on 64-key blocks, mma.sync at 32) the small tree and the 4k batch keep the
-    split-key body with few-row tiles (v17: 0.054 / 0.038 ms against 0.062 / 0.039 on 64-key blocks, whose segments
-    cost more), the long batches take 64-key blocks (32k x4 1.14 against 1.43 ms; v16 measured mma.sync at 32 rows
-    1.15x a wgmma unit's time); where 64 rows means mma.sync (sm_100), the small tree and the 4k batch take 32
+    split-key body with few-row tiles (0.054 / 0.038 ms against 0.062 / 0.039 on 64-key blocks, whose segments cost
+    more: docs/history/bench/v17-variants-seesaw64-h200.log), the long batches take 64-key blocks (32k x4 1.131
+    against 1.453 ms: v18-variants-seesaw64-h200.log; mma.sync at 32 rows measured 1.15x a wgmma unit's time); where 64 rows means mma.sync (sm_100), the small tree and the 4k batch take 32
     rows (v7: 0.088 vs 0.098 ms)."""
     from kdtree.bench import CASES
     from kdtree.kernel import choose_plan
