@@ -111,10 +111,11 @@ def test_fused_merge_only_for_short_splits(cap, arch):
 
 def test_the_plan_picks_the_cheaper_configuration_per_batch():
     """By the cost model fitted to H200 runs: on sm_90 (the split-key wgmma body at 64 rows with and without
-    few-row tiles, FlashMLA's schedule on 64-key blocks, mma.sync at 32) the small tree and the 4k batch keep the
-    split-key body with few-row tiles (0.054 / 0.038 ms against 0.062 / 0.039 on 64-key blocks, whose segments cost
-    more: docs/history/bench/v17-variants-seesaw64-h200.log), the long batches take 64-key blocks (32k x4 1.131
-    against 1.453 ms: v18-variants-seesaw64-h200.log; mma.sync at 32 rows measured 1.15x a wgmma unit's time); where 64 rows means mma.sync (sm_100), the small tree and the 4k batch take 32
+    few-row tiles, FlashMLA's schedule on 64-key blocks, mma.sync at 32) the small tree, the 4k batch and mixed keep
+    the split-key body with few-row tiles (0.054 / 0.038 / 0.257 ms against 0.062 / 0.039 / 0.270 on 64-key blocks,
+    whose segments cost more: docs/history/bench/v18-variants-seesaw64-h200.log; mixed by its slowest block, which
+    runs a dozen short segments), the long batches take 64-key blocks (32k x4 1.131 against 1.453 ms; mma.sync at
+    32 rows measured 1.15x a wgmma unit's time); where 64 rows means mma.sync (sm_100), the small tree and the 4k batch take 32
     rows (v7: 0.088 vs 0.098 ms)."""
     from kdtree.bench import CASES
     from kdtree.kernel import choose_plan
@@ -138,7 +139,8 @@ def test_the_plan_picks_the_cheaper_configuration_per_batch():
     ]
     assert KernelConfig.candidates("sm_120") == (KernelConfig(),)
     hopper = chosen("sm_90")
-    assert hopper.pop("kimi-tp8 small tree") == hopper.pop("kimi-tp8 ddtree64 4k") == "wgmma64-few", hopper
+    few = [hopper.pop(k) for k in ("kimi-tp8 small tree", "kimi-tp8 ddtree64 4k", "kimi-tp8 mixed")]
+    assert few == ["wgmma64-few"] * 3, hopper
     assert set(hopper.values()) == {"wgmma64-b64"}, hopper
     blackwell_dc = chosen("sm_100")
     assert blackwell_dc["kimi-tp8 small tree"] == blackwell_dc["kimi-tp8 ddtree64 4k"] == "mma32", blackwell_dc
@@ -283,3 +285,27 @@ def test_64_key_block_schedule_needs_the_split_key_layout_and_no_few_row_tiles()
         dataclasses.replace(hopper, wg_blocks64=True)  # few-row tiles
     with pytest.raises(ValueError, match="wg_blocks64 needs wg_split"):
         dataclasses.replace(hopper.dims_split(), few_rows=0, wg_blocks64=True)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+def test_the_cost_is_the_slowest_blocks(arch):
+    """estimated_cost charges the block that ends the launch: each block's weighted units are its share of the
+    plan's work (they add up to it) and its segments are the row tiles the kernel's walk visits in it; the cost
+    is the largest block's, at least the mean, and a device plan without the per-block figures gets the mean."""
+    from kdtree.bench import CASES
+    from kdtree.kernel import estimated_cost
+    from kdtree.kernel.planner import SEGMENT_COST_PER_ROW, UNIT_COST, cost_kind
+
+    for case in CASES:
+        cap = synthesize(case.spec(), reference=False)
+        for config in KernelConfig.candidates(arch):
+            p = plan(marshal(cap), cap.meta.num_heads, 132, config)
+            assert p.block_work.shape == p.block_segments.shape == (p.grid,)
+            assert np.isclose(p.block_work.sum(), p.work), case.name
+            visits = np.bincount([blk for blk, *_ in p.walk()], minlength=p.grid)
+            assert (p.block_segments == visits).all(), case.name
+            mean = estimated_cost(dataclasses.replace(p, block_work=None, block_segments=None))
+            cost = estimated_cost(p)
+            assert cost >= mean * (1 - 1e-9), case.name
+            unit = UNIT_COST.get(cost_kind(config), config.bm / 64 * UNIT_COST["mma64"])
+            assert cost >= p.block_work.max() * unit + SEGMENT_COST_PER_ROW * config.bm * 0.99, case.name

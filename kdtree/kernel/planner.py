@@ -38,6 +38,10 @@ class LaunchPlan:
     fused_merge: bool  # the last block of each split tile merges it (no verify_mla_merge launch)
     config: KernelConfig
     arrays: dict[str, torch.Tensor] = field(repr=False)
+    # per block, on the host (for `estimated_cost`; None from the device planner): its weighted units, and the
+    # row tiles it works on (segments it runs)
+    block_work: np.ndarray | None = field(default=None, repr=False)
+    block_segments: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def split(self) -> bool:
@@ -199,6 +203,11 @@ def plan(
     rt_first_cta = np.searchsorted(cta_unit_start, rt_unit_start[:-1], side="right") - 1
     rt_last_cta = np.searchsorted(cta_unit_start, rt_unit_start[1:] - 1, side="right") - 1
     segs = rt_last_cta - rt_first_cta + 1
+    # each block's weighted units (the weighted position of its last unit less its first's) and row tiles
+    rt_wstart = np.concatenate([[0.0], np.cumsum(key_tiles * rt_weight)])
+    rt_of = np.minimum(np.searchsorted(rt_unit_start, cta_unit_start, side="right") - 1, len(key_tiles) - 1)
+    wpos = rt_wstart[rt_of] + (cta_unit_start - rt_unit_start[rt_of]) * rt_weight[rt_of]
+    cta_last_rt = np.searchsorted(rt_unit_start, cta_unit_start[1:] - 1, side="right") - 1
     rt_seg_base = np.concatenate([[0], np.cumsum(np.where(segs > 1, segs, 0))])
     if fused_merge is None:  # not for the wgmma body: its merge kernel was faster (docs/kernel-design.md, "Merge")
         fused_merge = bool(segs.max() <= FUSED_MERGE_SEGS) and not config.wgmma
@@ -230,6 +239,8 @@ def plan(
         fused_merge=fused_merge and bool(rt_seg_base[-1] > 0),
         config=config,
         arrays={k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int32)) for k, v in arrays.items()},
+        block_work=np.diff(wpos),
+        block_segments=cta_last_rt - cta_first_rt + 1,
     )
 
 
@@ -252,11 +263,17 @@ def cost_kind(config: KernelConfig) -> str:
 
 
 def estimated_cost(p: LaunchPlan) -> float:
-    """A plan's time per block in wgmma units (for choosing between configurations, not a prediction in ms)."""
+    """A plan's time in wgmma units (for choosing between configurations, not a prediction in ms): its slowest
+    block's, which ends the launch: weighted units x the body's unit cost plus a segment cost for each row tile
+    it works on. (Without the host's per-block figures, a device plan's: total work and partial slots over the
+    grid.) The mean over blocks misjudged a batch whose short requests crowd a dozen segments into one block
+    (mixed: 64-key blocks, whose segments cost more, predicted 0.90x the few-row tiles' time, measured 1.06x)."""
     kind = cost_kind(p.config)
     unit = UNIT_COST.get(kind, p.config.bm / 64 * UNIT_COST["mma64"])
     segment = SEGMENT_COST_PER_ROW * p.config.bm * SEGMENT_COST_SCALE.get(kind, 1.0)
-    return (p.work * unit + p.segments * segment) / p.grid
+    if p.block_work is None:
+        return (p.work * unit + p.segments * segment) / p.grid
+    return float((p.block_work * unit + p.block_segments * segment).max())
 
 
 def choose_plan(args: VerifyArgs, num_heads: int, num_sms: int, configs: tuple[KernelConfig, ...]) -> LaunchPlan:
