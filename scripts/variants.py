@@ -39,6 +39,11 @@ VARIANTS = {
     "no_fast_mask": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 0),)), {}),
     # FlashMLA's schedule on 64-key blocks (verify_segment_seesaw64; no few-row tiles beside it)
     "wgmma_seesaw64": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True), {}),
+    # ... placed with a segment weighed 8 units (its segments cost 1.31 / 0.82 = 1.6x more in its own units)
+    "wgmma_seesaw64_seg8": (
+        dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True),
+        {"segment_units": 8.0},
+    ),
     # BM 32 in blocks of 4 warps, two resident per SM (independent barriers: one block's softmax under the other's MMAs)
     "bm32_w4x2": (KernelConfig(warps=4, khalves=1, kpasses=2, blocks_per_sm=2), {}),
     "bm32_w4x1": (KernelConfig(warps=4, khalves=1, kpasses=2), {}),
