@@ -558,21 +558,6 @@ constexpr int BLK = 64, BAR_S0 = 1, BAR_S1 = 2, BAR_P0 = 3, BAR_K0R = 4, BAR_K1L
 __device__ __forceinline__ void arrive(int id) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(NUM_THREADS) : "memory"); }
 __device__ __forceinline__ void sync(int id) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(NUM_THREADS) : "memory"); }
 
-// s (+)= A B^T over one k16 step: A = 64 x 16 (desc), B = 64 x 16 (desc), both K-major.
-__device__ __forceinline__ void wgmma_qk64(float (&s)[8][4], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,"
-      "%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]), "+f"(s[1][2]),
-        "+f"(s[1][3]), "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]), "+f"(s[3][0]), "+f"(s[3][1]),
-        "+f"(s[3][2]), "+f"(s[3][3]), "+f"(s[4][0]), "+f"(s[4][1]), "+f"(s[4][2]), "+f"(s[4][3]), "+f"(s[5][0]),
-        "+f"(s[5][1]), "+f"(s[5][2]), "+f"(s[5][3]), "+f"(s[6][0]), "+f"(s[6][1]), "+f"(s[6][2]), "+f"(s[6][3]),
-        "+f"(s[7][0]), "+f"(s[7][1]), "+f"(s[7][2]), "+f"(s[7][3])
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-
 // A descriptor the compiler must treat as new at each use: otherwise it hoists the 36 QK (and 8 P V) descriptors
 // out of the block loop and holds them in registers.
 __device__ __forceinline__ uint64_t opaque(uint64_t d) {

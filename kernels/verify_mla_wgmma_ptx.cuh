@@ -1,5 +1,5 @@
 // PTX wrappers of the warpgroup MMAs (sm_90a) that the Hopper body (verify_mla_wgmma.cuh) and its rate probe
-// (wgmma_probe.cu) share: shared-memory matrix descriptors, fence, commit, wait, the proxy fence, the QK step.
+// (wgmma_probe.cu) share: shared-memory matrix descriptors, fence, commit, wait, the proxy fence, the QK steps (N 32 and 64).
 #pragma once
 
 #include "verify_mla_ptx.cuh"
@@ -31,6 +31,21 @@ __device__ __forceinline__ void wgmma_qk(float (&s)[4][4], uint64_t da, uint64_t
       : "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]), "+f"(s[1][2]),
         "+f"(s[1][3]), "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]), "+f"(s[3][0]), "+f"(s[3][1]),
         "+f"(s[3][2]), "+f"(s[3][3])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// The QK step at N 64 (the 64-key-block schedule's): as wgmma_qk, B = 64 x 16.
+__device__ __forceinline__ void wgmma_qk64(float (&s)[8][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,"
+      "%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(s[0][0]), "+f"(s[0][1]), "+f"(s[0][2]), "+f"(s[0][3]), "+f"(s[1][0]), "+f"(s[1][1]), "+f"(s[1][2]),
+        "+f"(s[1][3]), "+f"(s[2][0]), "+f"(s[2][1]), "+f"(s[2][2]), "+f"(s[2][3]), "+f"(s[3][0]), "+f"(s[3][1]),
+        "+f"(s[3][2]), "+f"(s[3][3]), "+f"(s[4][0]), "+f"(s[4][1]), "+f"(s[4][2]), "+f"(s[4][3]), "+f"(s[5][0]),
+        "+f"(s[5][1]), "+f"(s[5][2]), "+f"(s[5][3]), "+f"(s[6][0]), "+f"(s[6][1]), "+f"(s[6][2]), "+f"(s[6][3]),
+        "+f"(s[7][0]), "+f"(s[7][1]), "+f"(s[7][2]), "+f"(s[7][3])
       : "l"(da), "l"(db), "r"(accumulate));
 }
 

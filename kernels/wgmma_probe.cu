@@ -27,7 +27,7 @@ static_assert(N == 32 || N == 64, "PROBE_N: 32 or 64");
 #define PROBE_D32 PROBE_D16, PROBE_D8(4), PROBE_D8(6)
 
 // d += A B^T over one k16 step: A by descriptor (shared memory) or as 4 registers, B by descriptor (both K-major).
-// At N 32 from shared memory it is the kernel's own QK step (wgmma_qk).
+// From shared memory it is the kernel's own QK step (wgmma_qk, wgmma_qk64).
 #if PROBE_N == 32
 __device__ __forceinline__ void mma_ss(float (&d)[N / 8][4], uint64_t da, uint64_t db) { wgmma_qk(d, da, db, 1); }
 __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t db) {
@@ -38,12 +38,7 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)
 }
 #endif
 #if PROBE_N == 64
-__device__ __forceinline__ void mma_ss(float (&d)[N / 8][4], uint64_t da, uint64_t db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : PROBE_D32
-      : "l"(da), "l"(db));
-}
+__device__ __forceinline__ void mma_ss(float (&d)[N / 8][4], uint64_t da, uint64_t db) { wgmma_qk64(d, da, db, 1); }
 __device__ __forceinline__ void mma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t db) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
