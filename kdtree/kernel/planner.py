@@ -203,10 +203,8 @@ def plan(
     rt_first_cta = np.searchsorted(cta_unit_start, rt_unit_start[:-1], side="right") - 1
     rt_last_cta = np.searchsorted(cta_unit_start, rt_unit_start[1:] - 1, side="right") - 1
     segs = rt_last_cta - rt_first_cta + 1
-    # each block's weighted units (the weighted position of its last unit less its first's) and row tiles
-    rt_wstart = np.concatenate([[0.0], np.cumsum(key_tiles * rt_weight)])
-    rt_of = np.minimum(np.searchsorted(rt_unit_start, cta_unit_start, side="right") - 1, len(key_tiles) - 1)
-    wpos = rt_wstart[rt_of] + (cta_unit_start - rt_unit_start[rt_of]) * rt_weight[rt_of]
+    # each block's weighted units (the weighted work before its bounds, piecewise linear in the unit) and row tiles
+    wpos = np.interp(cta_unit_start, rt_unit_start, np.concatenate([[0.0], np.cumsum(key_tiles * rt_weight)]))
     cta_last_rt = np.searchsorted(rt_unit_start, cta_unit_start[1:] - 1, side="right") - 1
     rt_seg_base = np.concatenate([[0], np.cumsum(np.where(segs > 1, segs, 0))])
     if fused_merge is None:  # not for the wgmma body: its merge kernel was faster (docs/kernel-design.md, "Merge")
@@ -265,9 +263,8 @@ def cost_kind(config: KernelConfig) -> str:
 def estimated_cost(p: LaunchPlan) -> float:
     """A plan's time in wgmma units (for choosing between configurations, not a prediction in ms): its slowest
     block's, which ends the launch: weighted units x the body's unit cost plus a segment cost for each row tile
-    it works on. (Without the host's per-block figures, a device plan's: total work and partial slots over the
-    grid.) The mean over blocks misjudged a batch whose short requests crowd a dozen segments into one block
-    (mixed: 64-key blocks, whose segments cost more, predicted 0.90x the few-row tiles' time, measured 1.06x)."""
+    it works on (a mean over blocks misses short requests crowding many segments into one block). Without the
+    host's per-block figures (a device plan), the mean: total work and partial slots over the grid."""
     kind = cost_kind(p.config)
     unit = UNIT_COST.get(kind, p.config.bm / 64 * UNIT_COST["mma64"])
     segment = SEGMENT_COST_PER_ROW * p.config.bm * SEGMENT_COST_SCALE.get(kind, 1.0)
