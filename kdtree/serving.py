@@ -4,8 +4,8 @@ other prefix lengths.
 
 Per step, `ServingPath.prepare` launches the marshal kernel (`kernels/verify_mla_marshal.cu`: the combined slot
 list and the packed tree bits, what `kdtree.marshal` computes) and plans on the GPU (`kdtree.device_plan`);
-per layer, `launch` runs the verify kernel on that plan. One configuration (the target's default) and a fixed
-grid of one block per SM slot, so an eager step and its graph replay run the same plan and give the same bits.
+per layer, `launch` runs the verify kernel on that plan. One configuration (the target's default, or the one
+`serving_config` names) and a fixed grid of one block per SM slot, so an eager step and its graph replay run the same plan and give the same bits.
 
 Two metadata sources: `prepare` reads the Triton backend's CSR metadata (kv_indptr, kv_indices, mask_indptr);
 `prepare_table` reads SGLang's page table (req_to_token rows, seq_lens) and needs no Triton metadata at all,
@@ -89,14 +89,32 @@ class PlanGraph:
         return self.plan
 
 
-class ServingPath:
-    """The marshal kernel, the device planner and the verify kernel, for one configuration."""
+def serving_config(configs: tuple[KernelConfig, ...], body: str = "default") -> tuple[KernelConfig, str | None]:
+    """The configuration a server runs for `body` (`kdtree.sglang.settings`, KDTREE_BODY) among the target's
+    candidates, and why not, where it falls back to the first: `default` is the first (the target's own);
+    `blocks64` the one with FlashMLA's schedule on 64-key blocks (Hopper)."""
+    if body == "default":
+        return configs[0], None
+    if body == "blocks64":
+        for c in configs:
+            if c.wg_blocks64:
+                return c, None
+        return configs[0], "no configuration on 64-key blocks for this target: running its default"
+    raise ValueError(f"body {body!r}: expected 'default' or 'blocks64'")
 
-    def __init__(self, kernel: VerifyKernel | None = None, config: KernelConfig | None = None):
+
+class ServingPath:
+    """The marshal kernel, the device planner and the verify kernel, for one configuration (`config`, else
+    `serving_config(kernel.configs, body)`; `fallback` says why `body` was not honoured, if it was not)."""
+
+    def __init__(self, kernel: VerifyKernel | None = None, config: KernelConfig | None = None, body: str = "default"):
         import cupy
 
         self.kernel = kernel or VerifyKernel.get()
-        self.config = config or self.kernel.configs[0]
+        self.fallback: str | None = None
+        if config is None:
+            config, self.fallback = serving_config(self.kernel.configs, body)
+        self.config = config
         self.kernel.compiled(self.config)
         self.grid = self.kernel.num_sms * self.config.blocks_per_sm
         module = cupy.RawModule(code=MARSHAL_SOURCE.read_text(), options=("-std=c++17",))

@@ -19,11 +19,12 @@ from conftest import SHIPPED, small, table_of
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def path():
+@pytest.fixture(scope="module", params=["default", "blocks64"])
+def path(request):
+    """The serving path with each KDTREE_BODY (on a GPU without 64-key blocks both are its default)."""
     from kdtree.serving import ServingPath
 
-    return ServingPath()
+    return ServingPath(body=request.param)
 
 
 def sglang_buffers(cap, pad: int = 64, device="cuda"):

@@ -115,9 +115,11 @@ def test_faulty_metadata_is_not_what_marshal_builds():
 def test_settings_from_the_environment():
     s = Settings.from_env({})
     assert (s.mode, s.layers, s.ranks, s.every, s.capture_max_files, s.capture_max_bytes) == ("serve", None, {0}, 1, 16, 2**30)
+    assert s.body == "default"
     s = Settings.from_env(
         {
             "KDTREE_MODE": "Shadow",
+            "KDTREE_BODY": " Blocks64",
             "KDTREE_LAYERS": "0,30-32",
             "KDTREE_RANKS": "all",
             "KDTREE_EVERY": "10",
@@ -125,6 +127,7 @@ def test_settings_from_the_environment():
         }
     )
     assert s.mode == "shadow" and s.layers == {0, 30, 31, 32} and s.ranks is None and s.capture_max_bytes == 64 * 2**20
+    assert s.body == "blocks64"
     assert s.watches(20, 31, 5) and not s.watches(25, 31, 5) and not s.watches(20, 29, 5)
     for env, name in [
         ({"KDTREE_MODE": "fast"}, "KDTREE_MODE"),
@@ -132,6 +135,7 @@ def test_settings_from_the_environment():
         ({"KDTREE_EVERY": "0"}, "KDTREE_EVERY"),
         ({"KDTREE_CAPTURE_MAX_BYTES": "lots"}, "KDTREE_CAPTURE_MAX_BYTES"),
         ({"KDTREE_RANKS": "x"}, "KDTREE_RANKS"),
+        ({"KDTREE_BODY": "seesaw"}, "KDTREE_BODY"),
     ]:
         with pytest.raises(SettingsError, match=name):
             Settings.from_env(env)
@@ -306,3 +310,20 @@ def test_padded_rows_from_the_page_table_leave_the_real_rows_alone():
     assert torch.equal(got.combined_kv_indices[:total], want.combined_kv_indices)
     assert torch.equal(got.tree_mask[:T], want.tree_mask) and torch.equal(got.prefix_lens[:real], want.prefix_lens)
     assert torch.equal(got.prefix_lens[real:], torch.ones(pad, dtype=torch.int32))
+
+
+def test_the_serving_body_is_a_candidate_of_the_target():
+    """KDTREE_BODY picks among the target's own configurations: `blocks64` is Hopper's 64-key-block one; a
+    target without one keeps its default and says why (the server logs it once and goes on)."""
+    from kdtree.kernel import KernelConfig
+    from kdtree.serving import serving_config
+
+    hopper = KernelConfig.candidates("sm_90")
+    assert serving_config(hopper) == (hopper[0], None) and not hopper[0].wg_blocks64
+    config, why = serving_config(hopper, "blocks64")
+    assert config.wg_blocks64 and config.wgmma and why is None and config in hopper
+    blackwell = KernelConfig.candidates("sm_120")
+    config, why = serving_config(blackwell, "blocks64")
+    assert config == blackwell[0] and "64-key blocks" in why
+    with pytest.raises(ValueError, match="seesaw"):
+        serving_config(hopper, "seesaw")

@@ -49,7 +49,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
     def __init__(self, model_runner, *args, **kwargs):
         super().__init__(model_runner, *args, **kwargs)
         self.settings = Settings.from_env()
-        self.runner = VerifyRunner()
+        self.runner = VerifyRunner(body=self.settings.body)
         self.tp_rank = int(getattr(model_runner, "tp_rank", 0) or 0)
         self.tp_size = int(getattr(model_runner, "tp_size", 1) or 1)
         cfg = model_runner.model_config
@@ -68,7 +68,10 @@ class KdtreeAttnBackend(TritonAttnBackend):
         self._graph_capture: tuple[int, list[bool]] | None = None  # (batch size, [kdtree served, Triton served]) in capture
         self._step_table = None  # (req_to_token, row stride) of the step kdtree owns (`step_refusal`)
         log.once(
-            "mode", f"attention backend kdtree, mode {self.settings.mode} (KDTREE_MODE), TP rank {self.tp_rank}", logging.INFO
+            "mode",
+            f"attention backend kdtree, mode {self.settings.mode} (KDTREE_MODE), body {self.settings.body} (KDTREE_BODY), "
+            f"TP rank {self.tp_rank}",
+            logging.INFO,
         )
 
     # ----- per step ---------------------------------------------------------------------------------

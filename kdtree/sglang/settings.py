@@ -10,6 +10,7 @@
 | `KDTREE_CAPTURE_DIR` | where capture mode writes | `kdtree-captures` |
 | `KDTREE_CAPTURE_MAX_FILES` | capture mode stops after this many files | `16` |
 | `KDTREE_CAPTURE_MAX_BYTES` | ... or before the files would pass this many bytes (suffixes K, M, G) | `1G` |
+| `KDTREE_BODY` | the kernel body the server runs: `default` (the target's first configuration: on Hopper the split-key body with few-row tiles) or `blocks64` (Hopper: FlashMLA's schedule on 64-key blocks, 0.78-0.86x the time on long batches, 1.1-1.2x on short ones; another target keeps its default and says so once) | `default` |
 
 A value that does not parse raises `SettingsError` naming the variable, when the server starts.
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Mapping
 
 MODES = ("serve", "shadow", "capture", "triton")
+BODIES = ("default", "blocks64")
 
 
 class SettingsError(ValueError):
@@ -73,6 +75,7 @@ class Settings:
     capture_dir: Path = Path("kdtree-captures")
     capture_max_files: int = 16
     capture_max_bytes: int = 2**30
+    body: str = "default"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -80,8 +83,12 @@ class Settings:
         mode = env.get("KDTREE_MODE", "serve").strip().lower()
         if mode not in MODES:
             raise SettingsError(f"KDTREE_MODE={mode!r}: expected one of {', '.join(MODES)}")
+        body = env.get("KDTREE_BODY", "default").strip().lower()
+        if body not in BODIES:
+            raise SettingsError(f"KDTREE_BODY={body!r}: expected one of {', '.join(BODIES)}")
         return cls(
             mode=mode,
+            body=body,
             layers=_id_set("KDTREE_LAYERS", env.get("KDTREE_LAYERS", "all")),
             ranks=_id_set("KDTREE_RANKS", env.get("KDTREE_RANKS", "0")),
             every=_number("KDTREE_EVERY", env.get("KDTREE_EVERY", "1"), int, 1),

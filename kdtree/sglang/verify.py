@@ -13,6 +13,7 @@ import torch
 
 from kdtree.device_marshal import marshal_from_table, marshal_tensors
 from kdtree.marshal import VerifyArgs
+from kdtree.sglang import log
 
 
 @dataclass
@@ -130,8 +131,9 @@ class VerifyRunner:
     `VerifyBatch` object: the backend builds a new one per step and when a CUDA-graph capture starts, so the
     marshal kernel and the plan are recorded in the graph rather than taken from an eager warm-up."""
 
-    def __init__(self, path=None):
+    def __init__(self, path=None, body: str = "default"):
         self._path = path
+        self._body = body  # KDTREE_BODY, for the serving path built on first use
         self._prepared = None
         self._key = None  # (the VerifyBatch it was prepared for, heads)
 
@@ -141,7 +143,9 @@ class VerifyRunner:
         if self._path is None:
             from kdtree.serving import ServingPath
 
-            self._path = ServingPath()
+            self._path = ServingPath(body=self._body)
+            if self._path.fallback:
+                log.once("body", f"KDTREE_BODY={self._body}: {self._path.fallback}")
         return self._path
 
     def new_step(self) -> None:
