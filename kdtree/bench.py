@@ -10,6 +10,7 @@ held against the L2 gather ceiling (kdtree.ceilings).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -32,10 +33,19 @@ class BenchCase:
     preset: str
     prefix_lens: tuple[int, ...]
     num_draft: int  # N = budget + 1 (a DDTree), or N of a chain (N 1: no draft tree, one token a request)
+    chain: bool = False  # the draft as a chain of N nodes instead of a DDTree (what EAGLE with topk 1 verifies)
 
     def spec(self) -> SynthSpec:
-        tree = dict(budget=self.num_draft - 1) if self.num_draft > 1 else dict(tree="chain", num_draft_tokens=1)
+        if self.chain or self.num_draft == 1:
+            tree = dict(tree="chain", num_draft_tokens=self.num_draft)
+        else:
+            tree = dict(budget=self.num_draft - 1)
         return SynthSpec(preset=self.preset, batch_size=len(self.prefix_lens), prefix_lens=list(self.prefix_lens), seed=0, **tree)
+
+    def as_chain(self) -> "BenchCase":
+        """The same prefixes and N with a chain draft (`kdtree bench --chain`: FlashInfer's causal MLA kernel
+        computes the same attention there)."""
+        return dataclasses.replace(self, name=self.name if self.num_draft == 1 else f"{self.name} chain", chain=True)
 
 
 # The eight cases of ../shared/docs/anchors.md
@@ -220,6 +230,13 @@ def sglang_fn(cap: Capture, args: VerifyArgs, sets, extend_attention_fwd):
     return cycling(sets, call), o, {}
 
 
+def flashinfer_fn(cap: Capture, args: VerifyArgs, sets, flashinfer):
+    """FlashInfer's MLA paged wrapper with a causal mask (chain drafts only; kdtree.flashinfer_mla)."""
+    from kdtree.flashinfer_mla import causal_fn
+
+    return causal_fn(cap, args, sets, flashinfer)
+
+
 # ----- the run -----------------------------------------------------------------------------------
 @dataclass
 class CaseResult:
@@ -234,7 +251,11 @@ class CaseResult:
     impls: dict = field(default_factory=dict)  # name -> {"ms", "tflops", "floor_fraction", ...}
 
 
-def run(cases=ALL_CASES, *, with_sglang: bool = True, min_rotation_bytes: float = 3 * 60e6, log=print) -> dict:
+def run(
+    cases=ALL_CASES, *, with_sglang: bool = True, with_flashinfer: bool = False, min_rotation_bytes: float = 3 * 60e6, log=print
+) -> dict:
+    """Time every case with kdtree, torch, SGLang's Triton kernel (`with_sglang`, where it imports) and FlashInfer's
+    causal MLA kernel (`with_flashinfer`, where it imports; chain cases only), in this run, with its ceilings."""
     import triton.testing
 
     def do_bench(fn):
@@ -253,6 +274,12 @@ def run(cases=ALL_CASES, *, with_sglang: bool = True, min_rotation_bytes: float 
 
     ext, ext_what = extend_attention() if with_sglang else (None, "not asked for")
     log(f"SGLang: {ext_what}")
+    fi, fi_what = (None, "not asked for")
+    if with_flashinfer:
+        from kdtree.flashinfer_mla import load
+
+        fi, fi_what = load()
+        log(f"FlashInfer: {fi_what}")
     results = []
     for case in cases:
         cap = synthesize(case.spec(), reference=False)
@@ -267,6 +294,8 @@ def run(cases=ALL_CASES, *, with_sglang: bool = True, min_rotation_bytes: float 
         impls = {"kdtree": lambda: kdtree_fn(cap, args, sets), "torch": lambda: naive_fn(cap, args, sets)}
         if ext is not None:
             impls["sglang"] = lambda: sglang_fn(cap, args, sets, ext)
+        if fi is not None and case.chain:
+            impls["flashinfer"] = lambda: flashinfer_fn(cap, args, sets, fi)
         outs = {}
         for name, make in impls.items():
             try:
@@ -283,8 +312,12 @@ def run(cases=ALL_CASES, *, with_sglang: bool = True, min_rotation_bytes: float 
             if ref is not None:
                 a, b = outs["kdtree"].double(), ref.double()
                 r.impls["kdtree"]["rel_vs_" + ("sglang" if "sglang" in outs else "torch")] = float((a - b).norm() / b.norm())
-        if "sglang" in r.impls and "ms" in r.impls["sglang"] and "ms" in r.impls.get("kdtree", {}):
-            r.impls["kdtree"]["speedup_vs_sglang"] = r.impls["sglang"]["ms"] / r.impls["kdtree"]["ms"]
+        if "kdtree" in outs and "flashinfer" in outs:  # an independent kernel on the same attention
+            a, b = outs["kdtree"].double(), outs["flashinfer"].double()
+            r.impls["kdtree"]["rel_vs_flashinfer"] = float((a - b).norm() / b.norm())
+        for base in ("sglang", "flashinfer"):
+            if "ms" in r.impls.get(base, {}) and "ms" in r.impls.get("kdtree", {}):
+                r.impls["kdtree"][f"speedup_vs_{base}"] = r.impls[base]["ms"] / r.impls["kdtree"]["ms"]
         if "tflops" in r.impls.get("kdtree", {}):
             k = r.impls["kdtree"]
             k["gather_tbps"] = k["gathered_bytes"] / k["ms"] / 1e9
@@ -299,10 +332,12 @@ def run(cases=ALL_CASES, *, with_sglang: bool = True, min_rotation_bytes: float 
         "torch": torch.__version__,
         "python": platform.python_version(),
         "sglang": ext_what,
+        "flashinfer": fi_what,
         "target": os.environ.get("KDTREE_KERNEL_TARGET") or "this GPU's",
         "ceilings": ceilings,
         "cases": [asdict(r) for r in results],
         "geomean_speedup_vs_sglang": geomean([r.impls.get("kdtree", {}).get("speedup_vs_sglang") for r in results]),
+        "geomean_speedup_vs_flashinfer": geomean([r.impls.get("kdtree", {}).get("speedup_vs_flashinfer") for r in results]),
     }
 
 
@@ -331,13 +366,13 @@ def geomean(values) -> float | None:
 
 def format_row(r: CaseResult) -> str:
     cells = []
-    for name in ("kdtree", "sglang", "torch"):
+    for name in ("kdtree", "sglang", "flashinfer", "torch"):
         v = r.impls.get(name)
         if v is None:
             continue
         cells.append(f"{name} {v['ms']:.3f} ms ({v['tflops']:.0f} TF/s)" if "ms" in v else f"{name} ERROR {v['error'][:80]}")
     k = r.impls.get("kdtree", {})
-    extra = f"  x{k['speedup_vs_sglang']:.2f} vs sglang" if "speedup_vs_sglang" in k else ""
+    extra = "".join(f"  x{k[f'speedup_vs_{b}']:.2f} vs {b}" for b in ("sglang", "flashinfer") if f"speedup_vs_{b}" in k)
     extra += f"  floor {r.floor_ms:.3f} ms ({100 * k['floor_fraction']:.0f}% of it)" if "floor_fraction" in k else ""
     return f"{r.name:28s} " + " | ".join(cells) + extra
 
@@ -349,6 +384,7 @@ def summary_table(result: dict) -> str:
     ceil = result["ceilings"]
     mma = bool(ceil.get("mma_sync_raw_tflops") and ceil.get("mma_sync_ldmatrix_tflops"))
     gath = bool(ceil.get("gather_l2_tbps"))
+    fi = any("flashinfer" in c["impls"] for c in result["cases"])
     head = f"{result['device']}: bf16 matmul {ceil['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s"
     if mma:
         head += f", mma.sync {ceil['mma_sync_raw_tflops']:.0f} raw / {ceil['mma_sync_ldmatrix_tflops']:.0f} ldmatrix-fed TFLOP/s"
@@ -359,7 +395,8 @@ def summary_table(result: dict) -> str:
         head,
         f"{'case':28s} {'kdtree ms':>10s} {'sglang ms':>10s} {'torch ms':>10s} {'speedup':>8s} {'TF/s':>6s} {'floor ms':>9s} {'%floor':>7s}"
         + (f" {'%matmul':>8s} {'%mma':>6s} {'%ldsm':>6s}" if mma else "")
-        + (f" {'gath TB/s':>9s} {'%gath':>6s}" if gath else ""),
+        + (f" {'gath TB/s':>9s} {'%gath':>6s}" if gath else "")
+        + (f" {'fi ms':>8s} {'x fi':>6s} {'fi backend':>10s}" if fi else ""),
     ]
     for c in result["cases"]:
         k, s, t = (c["impls"].get(n, {}) for n in ("kdtree", "sglang", "torch"))
@@ -379,9 +416,19 @@ def summary_table(result: dict) -> str:
             line += f" {f(k, 'gather_tbps', '9.2f')}" + (
                 f" {100 * fr['gather_l2']:5.0f}%" if "gather_l2" in fr else f" {'-':>6s}"
             )
+        if fi:
+            v = c["impls"].get("flashinfer", {})
+            line += (
+                f" {f(v, 'ms', '8.3f')} {f(k, 'speedup_vs_flashinfer', '6.2f')} {v.get('backend', 'error' if v else '-'):>10s}"
+            )
         lines.append(line)
     if result.get("geomean_speedup_vs_sglang"):
         lines.append(f"geomean speedup over SGLang on {len(result['cases'])} cases: {result['geomean_speedup_vs_sglang']:.2f}x")
+    if result.get("geomean_speedup_vs_flashinfer"):
+        n = sum("speedup_vs_flashinfer" in c["impls"].get("kdtree", {}) for c in result["cases"])
+        lines.append(
+            f"geomean speedup over FlashInfer (causal, chain drafts) on {n} cases: {result['geomean_speedup_vs_flashinfer']:.2f}x"
+        )
     return "\n".join(lines)
 
 

@@ -254,6 +254,12 @@ def bench(
     target: Optional[str] = typer.Option(
         None, "--target", help="run the configuration another target would run (e.g. sm_120), where it fits"
     ),
+    chain: bool = typer.Option(
+        False,
+        "--chain",
+        help="the cases with chain drafts (EAGLE topk 1), with FlashInfer's causal MLA kernel timed beside kdtree "
+        "where FlashInfer imports",
+    ),
     sglang_backend: bool = typer.Option(
         False,
         "--sglang",
@@ -291,7 +297,9 @@ def bench(
     cases = b.select_cases(case) if case else list(b.ALL_CASES)
     if not cases:
         _fail(f"--case matches none of: {', '.join(c.name for c in b.ALL_CASES)}")
-    result = b.run(cases, with_sglang=not no_sglang, log=typer.echo)
+    if chain:
+        cases = [c.as_chain() for c in cases]
+    result = b.run(cases, with_sglang=not no_sglang, with_flashinfer=chain, log=typer.echo)
     js, png = b.save(result, out)
     typer.echo(b.summary_table(result))
     typer.echo(f"wrote {js} and {png}")

@@ -360,6 +360,31 @@ def test_logit_cap_is_supported(kern):
     check_against_references(cap, 0, run_impl("cuda", cap, 0, device="cuda"))
 
 
+def test_flashinfer_on_chains_agrees_with_the_oracle_and_the_kernel(kern):
+    """FlashInfer's causal MLA kernel (kdtree.flashinfer_mla, where FlashInfer imports) on chain drafts: against the
+    fp64 oracle as the kernel is held, and against the kernel itself (an independent implementation of the same
+    attention from the same marshaled slot list and pool)."""
+    from kdtree.flashinfer_mla import causal_fn, load
+
+    flashinfer, what = load()
+    if flashinfer is None:
+        pytest.skip(f"FlashInfer {what}")
+    cap = synthesize(
+        SynthSpec(batch_size=3, prefix_lens=[700, 33, 2100], tree="chain", num_draft_tokens=16, seed=5), device="cuda"
+    )
+    lid = cap.meta.layer_ids[0]
+    args = marshal(cap)
+    fn, o, info = causal_fn(cap, args, [(cap.layer(lid).q.cuda(), cap.pool(lid, "cuda"))], flashinfer)
+    fn()
+    torch.cuda.synchronize()
+    ref = oracle(cap, lid, device="cuda")
+    d = compare(cap, lid, AttnOutput(o.clone(), None), ref)
+    assert d.nan == 0 and d.rel <= REL_BAR, f"FlashInfer {info['backend']}: {d.line()}"
+    ours = run_impl("cuda", cap, lid, device="cuda")
+    rel = float((ours.o.double() - o.double()).norm() / o.double().norm())
+    assert rel <= REL_BAR, f"kdtree vs FlashInfer {info['backend']}: rel {rel:.2e}"
+
+
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 @pytest.mark.parametrize(
