@@ -44,6 +44,12 @@ VARIANTS = {
         dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True),
         {"segment_units": 8.0},
     ),
+    # k whole row tiles a block (the grid cut to ceil(row tiles / k)) instead of the batch balanced over every block
+    "wgmma_seesaw64_tile_a_block": (
+        dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True),
+        {"_tiles_a_block": 1},
+    ),
+    "bm32_two_tiles_a_block": (KernelConfig(), {"_tiles_a_block": 2}),
     # BM 32 in blocks of 4 warps, two resident per SM (independent barriers: one block's softmax under the other's MMAs)
     "bm32_w4x2": (KernelConfig(warps=4, khalves=1, kpasses=2, blocks_per_sm=2), {}),
     "bm32_w4x1": (KernelConfig(warps=4, khalves=1, kpasses=2), {}),
@@ -128,7 +134,11 @@ def main():
             try:
                 kern = VerifyKernel.get(config)
                 pdl = pdl_available() if pdl is None else pdl
-                p = plan(args, H, kern.num_sms, config, **plan_opts).to("cuda")
+                k = plan_opts.pop("_tiles_a_block", None)
+                p = plan(args, H, kern.num_sms, config, **plan_opts)
+                if k is not None:
+                    p = plan(args, H, kern.num_sms, config, **plan_opts, grid=-(-p.row_tiles // k))
+                p = p.to("cuda")
                 ws = Workspace.for_plan(p)
 
                 def step(q, pool, kern=kern, p=p, ws=ws, pdl=pdl, mt=merge_threads):  # (variants may share a kernel)

@@ -9,7 +9,7 @@ from kdtree.capture import load
 from kdtree.fuzz import fuzz_spec
 from kdtree.kernel import FEW_UNIT_COST, FUSED_MERGE_SEGS, SEGMENT_OVERHEAD_UNITS, KernelConfig, balanced_split, plan
 from kdtree.marshal import marshal
-from kdtree.synth import synthesize
+from kdtree.synth import SynthSpec, synthesize
 
 from conftest import SHIPPED, visible_key_tiles
 
@@ -309,3 +309,26 @@ def test_the_cost_is_the_slowest_blocks(arch):
             assert cost >= mean * (1 - 1e-9), case.name
             unit = UNIT_COST.get(cost_kind(config), config.bm / 64 * UNIT_COST["mma64"])
             assert cost >= p.block_work.max() * unit + SEGMENT_COST_PER_ROW * config.bm * 0.99, case.name
+
+
+def test_fewer_row_tiles_than_blocks_can_run_one_a_block():
+    """130 equal row tiles on 132 blocks: balanced over all 132, every tile would be split in two (two segments a
+    block, a partial and a merge for each tile); `choose_plan` also plans one tile a block, two blocks idle, and
+    takes it where it costs less. It covers every unit once, splits nothing, and needs no partial slots. With
+    a grid far larger than the tiles, the idle blocks cost more and the batch is split as before."""
+    from kdtree.kernel import choose_plan, estimated_cost
+
+    cap = synthesize(
+        SynthSpec(preset="deepseek-v3-tp8", batch_size=2, prefix_lens=[2000, 2000], budget=256, seed=2), reference=False
+    )
+    args, H = marshal(cap), cap.meta.num_heads
+    configs = KernelConfig.candidates("sm_90")
+    p = choose_plan(args, H, 132, configs)
+    assert (p.row_tiles, p.grid, p.segments) == (130, 130, 0) and p.config.wg_blocks64
+    walked = p.walk()
+    assert [blk for blk, *_ in walked] == list(range(130)) and all(slot is None for *_, slot in walked)
+    assert [rt for _, rt, *_ in walked] == list(range(130))  # tile c on block c, whole
+    spread = plan(args, H, 132, p.config)
+    assert spread.grid == 132 and spread.segments > 0 and estimated_cost(p) < estimated_cost(spread)
+    wide = choose_plan(args, H, 264, configs)
+    assert wide.grid == 264 and wide.segments > 0

@@ -166,6 +166,7 @@ def plan(
     segment_units: float | None = None,
     few_unit_cost: float | None = None,
     visible_keys: bool = True,
+    grid: int | None = None,
 ) -> LaunchPlan:
     """Cut the batch into row tiles x key tiles (with `visible_keys`, a row tile's keys end at the last draft key
     its rows may see: `row_tile_key_tiles`; else every row tile takes all its request's keys, which keeps the row
@@ -176,7 +177,8 @@ def plan(
     `config.few_rows` rows, which the few-row segment runs at `few_unit_cost` of a unit; default
     `few_row_weight(config)`).
     `fused_merge` (default: when no tile is split into more than FUSED_MERGE_SEGS partials, on the mma.sync
-    paths) lets the kernel merge split tiles itself instead of launching verify_mla_merge."""
+    paths) lets the kernel merge split tiles itself instead of launching verify_mla_merge. `grid` caps the
+    persistent blocks below one per SM slot (`choose_plan`'s one row tile a block)."""
     n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
     kv = (args.combined_kv_indptr[1:] - args.combined_kv_indptr[:-1]).numpy().astype(np.int64)
     row_tiles = -(-n * num_heads // config.bm)
@@ -193,7 +195,7 @@ def plan(
         key_tiles = np.maximum(1, -(-kv[rt_request] // config.bn))
     rt_unit_start = np.concatenate([[0], np.cumsum(key_tiles)])
     units = int(rt_unit_start[-1])
-    grid = max(1, min(num_sms * config.blocks_per_sm, units))
+    grid = max(1, min(num_sms * config.blocks_per_sm, units, grid or units))
     few = few_row_weight(config) if few_unit_cost is None else few_unit_cost
     rt_weight = np.where(tile_rows <= config.few_row_limit, few, 1.0)
     cta_unit_start = balanced_split(
@@ -276,8 +278,16 @@ def estimated_cost(p: LaunchPlan) -> float:
 def choose_plan(args: VerifyArgs, num_heads: int, num_sms: int, configs: tuple[KernelConfig, ...]) -> LaunchPlan:
     """Plan the batch with each configuration, its row tiles ending at their last visible key and not, and keep
     the cheapest by `estimated_cost` (the first on ties). Equal row tiles can fill the grid one a block with no
-    split, which tiles of uneven lengths (a big tree's) do not."""
+    split, which tiles of uneven lengths (a big tree's) do not. A batch with fewer row tiles than blocks is also
+    planned one row tile a block, the other blocks idle: balancing it over the whole grid splits every tile in two
+    (130 tiles on 132 blocks: two segments, a partial and a merge for each), which can cost more than the idle
+    blocks save."""
     plans = [plan(args, num_heads, num_sms, c, visible_keys=v) for c in configs for v in (True, False)]
+    plans += [
+        plan(args, num_heads, num_sms, p.config, visible_keys=v, grid=p.row_tiles)
+        for p, v in zip(plans, (True, False) * len(configs))
+        if p.row_tiles < p.grid
+    ]
     return min(plans, key=estimated_cost)
 
 
