@@ -44,12 +44,17 @@ VARIANTS = {
         dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True),
         {"segment_units": 8.0},
     ),
-    # k whole row tiles a block (the grid cut to ceil(row tiles / k)) instead of the batch balanced over every block
+    # k whole row tiles a block (the grid cut to ceil(row tiles / k)) instead of the batch balanced over every block;
+    # equal tiles (each over all its request's keys), which such a grid runs unsplit; beside the same over every block
+    "wgmma_seesaw64_all_keys": (
+        dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True),
+        {"visible_keys": False},
+    ),
     "wgmma_seesaw64_tile_a_block": (
         dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True),
-        {"_tiles_a_block": 1},
+        {"_tiles_a_block": 1, "visible_keys": False},
     ),
-    "bm32_two_tiles_a_block": (KernelConfig(), {"_tiles_a_block": 2}),
+    "bm32_two_tiles_a_block": (KernelConfig(), {"_tiles_a_block": 2, "visible_keys": False}),
     # BM 32 in blocks of 4 warps, two resident per SM (independent barriers: one block's softmax under the other's MMAs)
     "bm32_w4x2": (KernelConfig(warps=4, khalves=1, kpasses=2, blocks_per_sm=2), {}),
     "bm32_w4x1": (KernelConfig(warps=4, khalves=1, kpasses=2), {}),

@@ -360,19 +360,6 @@ def test_logit_cap_is_supported(kern):
     check_against_references(cap, 0, run_impl("cuda", cap, 0, device="cuda"))
 
 
-def test_one_row_tile_a_block(kern):
-    """A batch of fewer equal row tiles than blocks (2 x 4,112 rows of DeepSeek-V3: 130 tiles of 64) planned one
-    tile a block, the other blocks idle, against the references."""
-    cap = synthesize(
-        SynthSpec(preset="deepseek-v3-tp8", batch_size=2, prefix_lens=[2000, 2000], budget=256, seed=2), device="cuda"
-    )
-    p = kern.plan(marshal(cap), cap.meta.num_heads)
-    if p.row_tiles >= kern.num_sms:
-        pytest.skip(f"{kern.num_sms} SMs: no idle block for {p.row_tiles} row tiles")
-    assert p.grid == p.row_tiles and p.segments == 0, (p.grid, p.row_tiles, p.segments)
-    check_against_references(cap, 0, run_impl("cuda", cap, 0, device="cuda"))
-
-
 def test_flashinfer_on_chains_agrees_with_the_oracle_and_the_kernel(kern):
     """FlashInfer's causal MLA kernel (kdtree.flashinfer_mla, where FlashInfer imports) on chain drafts: against the
     fp64 oracle as the kernel is held, and against the kernel itself (an independent implementation of the same

@@ -311,24 +311,23 @@ def test_the_cost_is_the_slowest_blocks(arch):
             assert cost >= p.block_work.max() * unit + SEGMENT_COST_PER_ROW * config.bm * 0.99, case.name
 
 
-def test_fewer_row_tiles_than_blocks_can_run_one_a_block():
-    """130 equal row tiles on 132 blocks: balanced over all 132, every tile would be split in two (two segments a
-    block, a partial and a merge for each tile); `choose_plan` also plans one tile a block, two blocks idle, and
-    takes it where it costs less. It covers every unit once, splits nothing, and needs no partial slots. With
-    a grid far larger than the tiles, the idle blocks cost more and the batch is split as before."""
-    from kdtree.kernel import choose_plan, estimated_cost
+def test_a_grid_of_one_row_tile_a_block():
+    """`plan(grid=...)` below one block an SM slot: 130 equal row tiles (all keys) on 130 of 132 blocks run whole, one a block
+    (every unit once, nothing split, no partial slots), where balanced over all 132 every tile is split in two; the
+    cost model counts the two segments a block of that split (scripts/variants.py times both)."""
+    from kdtree.kernel import estimated_cost
 
     cap = synthesize(
         SynthSpec(preset="deepseek-v3-tp8", batch_size=2, prefix_lens=[2000, 2000], budget=256, seed=2), reference=False
     )
     args, H = marshal(cap), cap.meta.num_heads
-    configs = KernelConfig.candidates("sm_90")
-    p = choose_plan(args, H, 132, configs)
-    assert (p.row_tiles, p.grid, p.segments) == (130, 130, 0) and p.config.wg_blocks64
-    walked = p.walk()
-    assert [blk for blk, *_ in walked] == list(range(130)) and all(slot is None for *_, slot in walked)
-    assert [rt for _, rt, *_ in walked] == list(range(130))  # tile c on block c, whole
-    spread = plan(args, H, 132, p.config)
-    assert spread.grid == 132 and spread.segments > 0 and estimated_cost(p) < estimated_cost(spread)
-    wide = choose_plan(args, H, 264, configs)
-    assert wide.grid == 264 and wide.segments > 0
+    config = next(c for c in KernelConfig.candidates("sm_90") if c.wg_blocks64)
+    spread = plan(args, H, 132, config, visible_keys=False)  # every tile over all its request's keys: equal tiles
+    assert spread.row_tiles == 130 and spread.grid == 132 and spread.segments > 0
+    assert (spread.block_segments == 2).sum() > 100  # most blocks work on two row tiles
+    whole = plan(args, H, 132, config, visible_keys=False, grid=spread.row_tiles)
+    walked = whole.walk()
+    assert (whole.grid, whole.segments) == (130, 0) and all(slot is None for *_, slot in walked)
+    assert [(blk, rt) for blk, rt, *_ in walked] == [(c, c) for c in range(130)]  # tile c on block c, whole
+    assert estimated_cost(whole) < estimated_cost(spread)
+    assert plan(args, H, 132, config, visible_keys=False, grid=500).grid == 132  # never past one block an SM slot

@@ -178,7 +178,7 @@ def plan(
     `few_row_weight(config)`).
     `fused_merge` (default: when no tile is split into more than FUSED_MERGE_SEGS partials, on the mma.sync
     paths) lets the kernel merge split tiles itself instead of launching verify_mla_merge. `grid` caps the
-    persistent blocks below one per SM slot (`choose_plan`'s one row tile a block)."""
+    persistent blocks below one per SM slot (`scripts/variants.py`: whole row tiles a block)."""
     n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
     kv = (args.combined_kv_indptr[1:] - args.combined_kv_indptr[:-1]).numpy().astype(np.int64)
     row_tiles = -(-n * num_heads // config.bm)
@@ -278,16 +278,8 @@ def estimated_cost(p: LaunchPlan) -> float:
 def choose_plan(args: VerifyArgs, num_heads: int, num_sms: int, configs: tuple[KernelConfig, ...]) -> LaunchPlan:
     """Plan the batch with each configuration, its row tiles ending at their last visible key and not, and keep
     the cheapest by `estimated_cost` (the first on ties). Equal row tiles can fill the grid one a block with no
-    split, which tiles of uneven lengths (a big tree's) do not. A batch with fewer row tiles than blocks is also
-    planned one row tile a block, the other blocks idle: balancing it over the whole grid splits every tile in two
-    (130 tiles on 132 blocks: two segments, a partial and a merge for each), which can cost more than the idle
-    blocks save."""
+    split, which tiles of uneven lengths (a big tree's) do not."""
     plans = [plan(args, num_heads, num_sms, c, visible_keys=v) for c in configs for v in (True, False)]
-    plans += [
-        plan(args, num_heads, num_sms, p.config, visible_keys=v, grid=p.row_tiles)
-        for p, v in zip(plans, (True, False) * len(configs))
-        if p.row_tiles < p.grid
-    ]
     return min(plans, key=estimated_cost)
 
 
