@@ -232,9 +232,10 @@ def sglang_fn(cap: Capture, args: VerifyArgs, sets, extend_attention_fwd):
 
 def flashinfer_fn(cap: Capture, args: VerifyArgs, sets, flashinfer):
     """FlashInfer's MLA paged wrapper with a causal mask (chain drafts only; kdtree.flashinfer_mla)."""
-    from kdtree.flashinfer_mla import causal_fn
+    from kdtree.flashinfer_mla import causal_step
 
-    return causal_fn(cap, args, sets, flashinfer)
+    step, o, info = causal_step(cap, args, *sets[0], flashinfer)
+    return cycling(sets, step), o, info
 
 
 # ----- the run -----------------------------------------------------------------------------------

@@ -37,13 +37,12 @@ def is_chain(cap: Capture) -> bool:
     return True
 
 
-def causal_fn(cap: Capture, args: VerifyArgs, sets, flashinfer, backends=BACKENDS):
-    """(fn, o, info) for `kdtree.bench`: fn runs FlashInfer's MLA wrapper, causal, on the next of the rotated
-    (q, pool) sets. The first of `backends` that plans and runs is kept (`info["backend"]`; the others' errors in
-    `info["refused"]`). Raises ValueError for a batch whose draft is not a chain (the causal mask would differ from
-    its tree mask) and RuntimeError where no backend runs."""
-    from kdtree.bench import cycling
-
+def causal_step(cap: Capture, args: VerifyArgs, q: torch.Tensor, pool: torch.Tensor, flashinfer, backends=BACKENDS):
+    """(step, o, info): step(q, pool) runs FlashInfer's MLA wrapper, causal, on `cap`'s batch (marshaled as `args`)
+    with these inputs (q [T, H, 576], pool [slots, 1, 576], bf16 on the GPU), into o. The first of `backends` that
+    plans and runs on (q, pool) is kept (`info["backend"]`; the others' errors in `info["refused"]`). Raises
+    ValueError for a batch whose draft is not a chain (the causal mask would differ from its tree mask) and
+    RuntimeError where no backend runs."""
     if not is_chain(cap):
         raise ValueError("FlashInfer's causal mask is a chain's tree mask only: this batch's draft is not a chain")
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
@@ -71,11 +70,11 @@ def causal_fn(cap: Capture, args: VerifyArgs, sets, flashinfer, backends=BACKEND
                 q_data_type=torch.bfloat16,
                 kv_data_type=torch.bfloat16,
             )
-            run = lambda q, pool, w=wrapper: w.run(query=q, kv_cache=pool, out=o)  # noqa: E731
-            run(*sets[0])
+            step = lambda q, pool, w=wrapper: w.run(query=q, kv_cache=pool, out=o)  # noqa: E731
+            step(q, pool)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - try the next backend; the record says why this one did not run
             refused[backend] = f"{type(e).__name__}: {str(e)[:300]}"
             continue
-        return cycling(sets, run), o, {"backend": backend, "refused": refused}
+        return step, o, {"backend": backend, "refused": refused}
     raise RuntimeError(f"no FlashInfer MLA backend ran: {refused}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kdtree.bench import ALL_CASES, BenchCase, geomean, summary_table
-from kdtree.flashinfer_mla import causal_fn, is_chain, load
+from kdtree.flashinfer_mla import causal_step, is_chain, load
 from kdtree.marshal import marshal
 from kdtree.reference import oracle
 from kdtree.synth import synthesize
@@ -56,7 +56,7 @@ def test_a_causal_mask_is_the_chain_tree_mask():
 def test_a_tree_is_refused_before_flashinfer_is_needed():
     cap = synthesize(SMALL.spec(), reference=False)
     with pytest.raises(ValueError, match="chain"):
-        causal_fn(cap, marshal(cap), [], flashinfer=None)
+        causal_step(cap, marshal(cap), None, None, flashinfer=None)
 
 
 def test_load_says_why_flashinfer_is_missing(monkeypatch):

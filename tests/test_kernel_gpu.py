@@ -364,7 +364,7 @@ def test_flashinfer_on_chains_agrees_with_the_oracle_and_the_kernel(kern):
     """FlashInfer's causal MLA kernel (kdtree.flashinfer_mla, where FlashInfer imports) on chain drafts: against the
     fp64 oracle as the kernel is held, and against the kernel itself (an independent implementation of the same
     attention from the same marshaled slot list and pool)."""
-    from kdtree.flashinfer_mla import causal_fn, load
+    from kdtree.flashinfer_mla import causal_step, load
 
     flashinfer, what = load()
     if flashinfer is None:
@@ -374,8 +374,10 @@ def test_flashinfer_on_chains_agrees_with_the_oracle_and_the_kernel(kern):
     )
     lid = cap.meta.layer_ids[0]
     args = marshal(cap)
-    fn, o, info = causal_fn(cap, args, [(cap.layer(lid).q.cuda(), cap.pool(lid, "cuda"))], flashinfer)
-    fn()
+    q, pool = cap.layer(lid).q.cuda(), cap.pool(lid, "cuda")
+    step, o, info = causal_step(cap, args, q, pool, flashinfer)
+    o.zero_()
+    step(q, pool)
     torch.cuda.synchronize()
     ref = oracle(cap, lid, device="cuda")
     d = compare(cap, lid, AttnOutput(o.clone(), None), ref)
