@@ -45,7 +45,9 @@ class BenchCase:
     def as_chain(self) -> "BenchCase":
         """The same prefixes and N with a chain draft (`kdtree bench --chain`: FlashInfer's causal MLA kernel
         computes the same attention there)."""
-        return dataclasses.replace(self, name=self.name if self.num_draft == 1 else f"{self.name} chain", chain=True)
+        if self.chain or self.num_draft == 1:
+            return dataclasses.replace(self, chain=True)
+        return dataclasses.replace(self, name=f"{self.name} chain", chain=True)
 
 
 # The eight cases of ../shared/docs/anchors.md
@@ -308,17 +310,7 @@ def run(
                 r.impls[name] = {"ms": ms, "tflops": flops / ms / 1e9, "floor_fraction": floor_ms / ms, **info}
             except Exception as e:  # noqa: BLE001 - report and go on with the other implementations
                 r.impls[name] = {"error": f"{type(e).__name__}: {e}"}
-        if "kdtree" in outs:
-            ref = outs.get("sglang", outs.get("torch"))
-            if ref is not None:
-                a, b = outs["kdtree"].double(), ref.double()
-                r.impls["kdtree"]["rel_vs_" + ("sglang" if "sglang" in outs else "torch")] = float((a - b).norm() / b.norm())
-        if "kdtree" in outs and "flashinfer" in outs:  # an independent kernel on the same attention
-            a, b = outs["kdtree"].double(), outs["flashinfer"].double()
-            r.impls["kdtree"]["rel_vs_flashinfer"] = float((a - b).norm() / b.norm())
-        for base in ("sglang", "flashinfer"):
-            if "ms" in r.impls.get(base, {}) and "ms" in r.impls.get("kdtree", {}):
-                r.impls["kdtree"][f"speedup_vs_{base}"] = r.impls[base]["ms"] / r.impls["kdtree"]["ms"]
+        relate(r.impls, outs)
         if "tflops" in r.impls.get("kdtree", {}):
             k = r.impls["kdtree"]
             k["gather_tbps"] = k["gathered_bytes"] / k["ms"] / 1e9
@@ -340,6 +332,23 @@ def run(
         "geomean_speedup_vs_sglang": geomean([r.impls.get("kdtree", {}).get("speedup_vs_sglang") for r in results]),
         "geomean_speedup_vs_flashinfer": geomean([r.impls.get("kdtree", {}).get("speedup_vs_flashinfer") for r in results]),
     }
+
+
+def relate(impls: dict, outs: dict) -> None:
+    """kdtree's record against the others of one case (`impls`: name -> its record, `outs`: name -> its output):
+    rel against SGLang's output (else torch's) and against FlashInfer's (an independent kernel on the same
+    attention), and the speedup over each of SGLang and FlashInfer that has a time."""
+    k = impls.get("kdtree")
+    if k is None or "kdtree" not in outs:
+        return
+    a = outs["kdtree"].double()
+    for base in (next((n for n in ("sglang", "torch") if n in outs), None), "flashinfer"):
+        if base in outs:
+            b = outs[base].double()
+            k[f"rel_vs_{base}"] = float((a - b).norm() / b.norm())
+    for base in ("sglang", "flashinfer"):
+        if "ms" in impls.get(base, {}) and "ms" in k:
+            k[f"speedup_vs_{base}"] = impls[base]["ms"] / k["ms"]
 
 
 def ceiling_fractions(tflops: float, ceilings: dict) -> dict:
@@ -375,7 +384,7 @@ def format_row(r: CaseResult) -> str:
     k = r.impls.get("kdtree", {})
     extra = "".join(f"  x{k[f'speedup_vs_{b}']:.2f} vs {b}" for b in ("sglang", "flashinfer") if f"speedup_vs_{b}" in k)
     extra += f"  floor {r.floor_ms:.3f} ms ({100 * k['floor_fraction']:.0f}% of it)" if "floor_fraction" in k else ""
-    return f"{r.name:28s} " + " | ".join(cells) + extra
+    return f"{r.name:32s} " + " | ".join(cells) + extra
 
 
 def summary_table(result: dict) -> str:
@@ -386,6 +395,7 @@ def summary_table(result: dict) -> str:
     mma = bool(ceil.get("mma_sync_raw_tflops") and ceil.get("mma_sync_ldmatrix_tflops"))
     gath = bool(ceil.get("gather_l2_tbps"))
     fi = any("flashinfer" in c["impls"] for c in result["cases"])
+    width = max([28] + [len(c["name"]) for c in result["cases"]])
     head = f"{result['device']}: bf16 matmul {ceil['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s"
     if mma:
         head += f", mma.sync {ceil['mma_sync_raw_tflops']:.0f} raw / {ceil['mma_sync_ldmatrix_tflops']:.0f} ldmatrix-fed TFLOP/s"
@@ -394,7 +404,7 @@ def summary_table(result: dict) -> str:
         head += f", HBM {ceil.get('gather_hbm_tbps', float('nan')):.2f}"
     lines = [
         head,
-        f"{'case':28s} {'kdtree ms':>10s} {'sglang ms':>10s} {'torch ms':>10s} {'speedup':>8s} {'TF/s':>6s} {'floor ms':>9s} {'%floor':>7s}"
+        f"{'case':{width}s} {'kdtree ms':>10s} {'sglang ms':>10s} {'torch ms':>10s} {'speedup':>8s} {'TF/s':>6s} {'floor ms':>9s} {'%floor':>7s}"
         + (f" {'%matmul':>8s} {'%mma':>6s} {'%ldsm':>6s}" if mma else "")
         + (f" {'gath TB/s':>9s} {'%gath':>6s}" if gath else "")
         + (f" {'fi ms':>8s} {'x fi':>6s} {'fi backend':>10s}" if fi else ""),
@@ -403,7 +413,7 @@ def summary_table(result: dict) -> str:
         k, s, t = (c["impls"].get(n, {}) for n in ("kdtree", "sglang", "torch"))
         f = lambda d, key, fmt: format(d[key], fmt) if key in d else "-"  # noqa: E731
         line = (
-            f"{c['name']:28s} {f(k, 'ms', '10.3f')} {f(s, 'ms', '10.3f')} {f(t, 'ms', '10.3f')} {f(k, 'speedup_vs_sglang', '8.2f')} "
+            f"{c['name']:{width}s} {f(k, 'ms', '10.3f')} {f(s, 'ms', '10.3f')} {f(t, 'ms', '10.3f')} {f(k, 'speedup_vs_sglang', '8.2f')} "
             f"{f(k, 'tflops', '6.0f')} {c['floor_ms']:9.3f} {100 * k.get('floor_fraction', float('nan')):6.0f}%"
         )
         if mma:

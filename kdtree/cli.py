@@ -249,7 +249,9 @@ def compile_(
 @app.command()
 def bench(
     out: Path = typer.Option(Path("bench-out"), "--out", "-o", help="folder for bench.json and bench.png"),
-    case: Optional[List[str]] = typer.Option(None, help="only cases whose name contains this (repeatable)"),
+    case: Optional[List[str]] = typer.Option(
+        None, help="only cases whose name contains this (repeatable; with --chain, the DDTree cases' names)"
+    ),
     no_sglang: bool = typer.Option(False, "--no-sglang", help="skip SGLang's Triton kernel even if importable"),
     target: Optional[str] = typer.Option(
         None, "--target", help="run the configuration another target would run (e.g. sm_120), where it fits"
@@ -272,6 +274,8 @@ def bench(
     from kdtree import bench as b
     from kdtree.impls import gpu_available
 
+    if chain and sglang_backend:
+        _fail("--chain and --sglang do not combine: --sglang times the backend on DDTree steps")
     if not gpu_available():
         _fail("kdtree bench needs a CUDA GPU and CuPy (pip install -e '.[cuda13]')")
     if target is not None:

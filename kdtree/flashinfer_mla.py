@@ -1,7 +1,7 @@
 """FlashInfer's MLA paged-attention wrapper with a causal mask: what a chain draft (EAGLE with topk 1) can run
 instead of a tree-verify kernel, timed beside kdtree on the chain-shaped bench cases (`kdtree bench --chain`).
 
-FlashInfer is not a dependency of kdtree. `load()` says whether it imports; `causal_fn` plans its
+FlashInfer is not a dependency of kdtree. `load()` says whether it imports; `causal_step` plans its
 `BatchMLAPagedAttentionWrapper` on a batch with page size 1 (the combined slot list as the page list) and a causal
 mask, which is a chain's tree mask: draft node i of a request sees its prefix and drafts 0..i. Query and pool go in
 packed (576 = 512 latent + 64 rope, kdtree's own layout), so both kernels read the same tensors."""

@@ -8,7 +8,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-IMPL_COLORS = {"kdtree": "#1f77b4", "sglang": "#d62728", "torch": "#7f7f7f"}
+IMPL_COLORS = {"kdtree": "#1f77b4", "sglang": "#d62728", "flashinfer": "#2ca02c", "torch": "#7f7f7f"}
 
 
 def _finish_case_figure(fig: Figure, axes, names: list[str], title: str) -> Figure:
@@ -27,7 +27,7 @@ def bench_figure(result: dict) -> Figure:
     against the measured matmul ceiling."""
     cases = result["cases"]
     names = [c["name"] for c in cases]
-    impls = [i for i in ("kdtree", "sglang", "torch") if any("ms" in c["impls"].get(i, {}) for c in cases)]
+    impls = [i for i in IMPL_COLORS if any("ms" in c["impls"].get(i, {}) for c in cases)]
     fig = Figure(figsize=(13, 4.8))
     ax, ax2 = fig.subplots(1, 2)
     x = np.arange(len(cases))

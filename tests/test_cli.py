@@ -50,6 +50,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         ("synth", "-o", tmp_path / "x.safetensors", "--batch", "3", "--prefix", "1,2"),
         ("synth", "-o", tmp_path / "x.safetensors", "--tree", "bush"),
         ("synth", "-o", tmp_path / "x.safetensors", "--reference", "bogus"),
+        ("bench", "--chain", "--sglang", "-o", tmp_path / "b"),
     ):
         r = kdtree(*args)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
@@ -57,7 +58,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         err = [l for l in r.stderr.splitlines() if l.strip()]
         assert len(err) == 1 and err[0].startswith("kdtree: error:"), (args, r.stderr)
     assert sha(bad) == before
-    assert not (tmp_path / "x.safetensors").exists()
+    assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "b").exists()
 
 
 def test_unknown_option_is_a_usage_error_exit_2():

@@ -28,6 +28,27 @@ def test_chain_variants_keep_the_shape_and_change_the_tree():
     assert is_chain(cap) and not is_chain(tree)
     n1 = next(c for c in ALL_CASES if c.num_draft == 1)
     assert n1.as_chain().name == n1.name  # one token a request is a chain already
+    assert chain.as_chain() == chain  # and a chain stays one
+
+
+def test_kdtree_is_related_to_each_baseline_that_ran():
+    """bench.relate: rel against SGLang's output (else torch's) and against FlashInfer's, speedups over those with a
+    time; nothing for a baseline that failed."""
+    from kdtree.bench import relate
+
+    want = torch.ones(4, 2, 512)
+    outs = {"kdtree": want * 1.01, "torch": want, "flashinfer": want * 0.98}
+    impls = {"kdtree": {"ms": 2.0}, "torch": {"ms": 9.0}, "flashinfer": {"ms": 3.0}, "sglang": {"error": "no"}}
+    relate(impls, outs)
+    k = impls["kdtree"]
+    assert k["rel_vs_torch"] == pytest.approx(0.01) and k["rel_vs_flashinfer"] == pytest.approx(0.03 / 0.98)
+    assert k["speedup_vs_flashinfer"] == pytest.approx(1.5) and "speedup_vs_sglang" not in k and "rel_vs_sglang" not in k
+    outs["sglang"], impls["sglang"] = want * 1.02, {"ms": 8.0}
+    relate(impls, outs)
+    assert impls["kdtree"]["rel_vs_sglang"] == pytest.approx(0.01 / 1.02) and impls["kdtree"]["speedup_vs_sglang"] == 4.0
+    failed = {"kdtree": {"error": "x"}}
+    relate(failed, {"torch": want})
+    assert failed == {"kdtree": {"error": "x"}}
 
 
 def causal_attention(cap, lid):
@@ -44,9 +65,10 @@ def causal_attention(cap, lid):
     return o
 
 
-def test_a_causal_mask_is_the_chain_tree_mask():
-    """FlashInfer's causal mask against the fp64 oracle, which reads the capture's tree mask: the same attention on
-    a chain, another on a tree."""
+def test_the_premise_a_causal_mask_over_the_slot_list_is_the_chain_tree_mask():
+    """What the bench relies on, checked on its own: attention with FlashInfer's causal mask, over the combined slot
+    list as its page list (what `causal_step` gives it), is the fp64 oracle's (which reads the capture's tree mask)
+    on a chain, and not on a tree."""
     chain, tree = (synthesize(c.spec(), reference=False) for c in (SMALL.as_chain(), SMALL))
     lid = chain.meta.layer_ids[0]
     assert torch.allclose(causal_attention(chain, lid), oracle(chain, lid).o, rtol=0, atol=1e-12)

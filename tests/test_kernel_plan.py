@@ -331,3 +331,6 @@ def test_a_grid_of_one_row_tile_a_block():
     assert [(blk, rt) for blk, rt, *_ in walked] == [(c, c) for c in range(130)]  # tile c on block c, whole
     assert estimated_cost(whole) < estimated_cost(spread)
     assert plan(args, H, 132, config, visible_keys=False, grid=500).grid == 132  # never past one block an SM slot
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match="grid must be at least 1"):
+            plan(args, H, 132, config, grid=bad)

@@ -27,6 +27,16 @@ def test_bench_figure_from_a_measured_result():
     assert blue.sum() > 1000  # the kernel's bars are drawn
 
 
+def test_bench_figure_draws_flashinfer_where_it_ran():
+    """The chain bench's figure (kdtree bench --chain) has FlashInfer's bars beside kdtree's, in the run's order."""
+    result = json.loads((ROOT / "docs/bench/bench-chain-h200.json").read_text())
+    ax, _ = bench_figure(result).axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()][-3:] == ["kdtree", "flashinfer", "torch"]
+    n = len(result["cases"])
+    heights = [p.get_height() for p in ax.patches]
+    assert np.allclose(heights[n : 2 * n], [c["impls"]["flashinfer"]["ms"] for c in result["cases"]])
+
+
 def test_sglang_bench_figure_from_a_measured_result():
     from kdtree.plots import sglang_bench_figure
 

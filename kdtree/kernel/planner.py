@@ -179,6 +179,8 @@ def plan(
     `fused_merge` (default: when no tile is split into more than FUSED_MERGE_SEGS partials, on the mma.sync
     paths) lets the kernel merge split tiles itself instead of launching verify_mla_merge. `grid` caps the
     persistent blocks below one per SM slot (`scripts/variants.py`: whole row tiles a block)."""
+    if grid is not None and grid < 1:
+        raise ValueError(f"plan: grid must be at least 1 block, got {grid}")
     n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
     kv = (args.combined_kv_indptr[1:] - args.combined_kv_indptr[:-1]).numpy().astype(np.int64)
     row_tiles = -(-n * num_heads // config.bm)
@@ -195,7 +197,7 @@ def plan(
         key_tiles = np.maximum(1, -(-kv[rt_request] // config.bn))
     rt_unit_start = np.concatenate([[0], np.cumsum(key_tiles)])
     units = int(rt_unit_start[-1])
-    grid = max(1, min(num_sms * config.blocks_per_sm, units, grid or units))
+    grid = max(1, min(num_sms * config.blocks_per_sm, units, units if grid is None else grid))
     few = few_row_weight(config) if few_unit_cost is None else few_unit_cost
     rt_weight = np.where(tile_rows <= config.few_row_limit, few, 1.0)
     cta_unit_start = balanced_split(
