@@ -19,16 +19,22 @@ def main():
     ap.add_argument("--target", default=None, help="run this target's configuration (default: this GPU's)")
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE for the kernel (repeatable)")
     ap.add_argument("--launches", type=int, default=5)
+    ap.add_argument(
+        "--candidates", action="store_true", help="the target's candidates, one picked for the batch (as kdtree bench runs)"
+    )
+    ap.add_argument("--no-l2", action="store_true", help="plan as if the GPU's L2 size were unknown (choose_plan)")
     a = ap.parse_args()
     case = next(c for c in bench.ALL_CASES if a.case in c.name)
     config = KernelConfig.for_arch(a.target or device_arch()).with_defines(a.define)
-    kern = VerifyKernel.get(config)
+    kern = VerifyKernel.get(None if a.candidates and not a.define else config)
+    if a.no_l2:
+        kern.l2_bytes = None
     run = bench.case_launch(case, kern.plan)
     for _ in range(a.launches):
         run.launch(kern)
     torch.cuda.synchronize()
     p = run.plan
-    print(f"{case.name}: config {config}, grid {p.grid}, units {p.units}, segments {p.segments}")
+    print(f"{case.name}: config {p.config}, grid {p.grid}, units {p.units}, segments {p.segments}")
 
 
 if __name__ == "__main__":

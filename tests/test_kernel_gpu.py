@@ -360,6 +360,26 @@ def test_logit_cap_is_supported(kern):
     check_against_references(cap, 0, run_impl("cuda", cap, 0, device="cuda"))
 
 
+def test_one_row_tile_a_block(kern):
+    """A batch of fewer equal row tiles than blocks (2 x 4,112 rows of DeepSeek-V3: 130 tiles of 64), planned as
+    over L2 (one tile a block, the other blocks idle, nothing split), against the references."""
+    from kdtree.kernel import Workspace, choose_plan
+
+    cap = synthesize(
+        SynthSpec(preset="deepseek-v3-tp8", batch_size=2, prefix_lens=[2000, 2000], budget=256, seed=2), device="cuda"
+    )
+    args, H = marshal(cap), cap.meta.num_heads
+    p = choose_plan(args, H, kern.num_sms, kern.configs, l2_bytes=1)
+    if p.row_tiles >= kern.num_sms:
+        pytest.skip(f"{kern.num_sms} SMs: no idle block for {p.row_tiles} row tiles")
+    assert p.grid == p.row_tiles and p.segments == 0, (p.grid, p.row_tiles, p.segments)
+    kern.compiled(p.config)
+    p = p.to("cuda")
+    o, lse = poisoned((cap.num_tokens, H, 512), "cuda"), torch.full((cap.num_tokens, H), float("nan"), device="cuda")
+    kern.launch(p, args.to("cuda"), cap.layer(0).q.cuda(), cap.pool(0, "cuda"), o, lse, Workspace.for_plan(p))
+    check_against_references(cap, 0, AttnOutput(o, lse))
+
+
 def test_flashinfer_on_chains_agrees_with_the_oracle_and_the_kernel(kern):
     """FlashInfer's causal MLA kernel (kdtree.flashinfer_mla, where FlashInfer imports) on chain drafts: against the
     fp64 oracle as the kernel is held, and against the kernel itself (an independent implementation of the same

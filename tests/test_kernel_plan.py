@@ -311,6 +311,32 @@ def test_the_cost_is_the_slowest_blocks(arch):
             assert cost >= p.block_work.max() * unit + SEGMENT_COST_PER_ROW * config.bm * 0.99, case.name
 
 
+def test_batches_over_l2_with_fewer_row_tiles_than_blocks_run_one_tile_a_block():
+    """With the H200's 50 MiB of L2, of the twelve bench cases only DeepSeek-V3 32k x2 changes plan: 130 row tiles
+    on 76 MB of pool rows run one a block on 130 blocks, nothing split (1.121 against 1.345 ms balanced over 132).
+    8k x8 and mixed (over L2, fewer tiles than blocks) stay balanced: one tile a block would leave 60 and 78 of the
+    132 blocks idle. ddtree1024 (129 tiles on 10.6 MB) fits L2 and keeps its plan; so does every case on a 128 MiB L2
+    (the RTX PRO 6000's), and a batch with no L2 size."""
+    from kdtree.bench import ALL_CASES
+    from kdtree.kernel import choose_plan
+    from kdtree.kernel.planner import pool_row_bytes
+
+    configs = KernelConfig.candidates("sm_90")
+    changed = []
+    for case in ALL_CASES:
+        cap = synthesize(case.spec(), reference=False)
+        args, H = marshal(cap), cap.meta.num_heads
+        base = choose_plan(args, H, 132, configs)
+        roomy = choose_plan(args, H, 132, configs, l2_bytes=128 << 20)
+        assert (roomy.config, roomy.arrays["cta_unit_start"].tolist()) == (base.config, base.arrays["cta_unit_start"].tolist())
+        p = choose_plan(args, H, 132, configs, l2_bytes=50 << 20)
+        if (p.config, p.grid, p.segments) != (base.config, base.grid, base.segments):
+            changed.append(case.name)
+            assert pool_row_bytes(args) > 50 << 20 and base.row_tiles < base.grid, case.name
+            assert (p.grid, p.segments) == (p.row_tiles, 0) and base.split, case.name
+    assert changed == ["dsv3-tp8 ddtree256 32k x2"]
+
+
 def test_a_grid_of_one_row_tile_a_block():
     """`plan(grid=...)` below one block an SM slot: 130 equal row tiles (all keys) on 130 of 132 blocks run whole, one a block
     (every unit once, nothing split, no partial slots), where balanced over all 132 every tile is split in two; the

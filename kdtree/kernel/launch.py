@@ -150,7 +150,8 @@ class VerifyKernel:
         self.config = self.configs[0]
         self._fns: dict[KernelConfig, tuple] = {}
         self.module, self.fwd, self.merge = self.compiled(self.config)
-        self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        self.num_sms, self.l2_bytes = props.multi_processor_count, props.L2_cache_size
         self._streams: dict[int, object] = {}
         self.pdl = pdl_available()
         self.merge_threads = MERGE_THREADS
@@ -189,7 +190,7 @@ class VerifyKernel:
     def plan(self, args: VerifyArgs, num_heads: int) -> LaunchPlan:
         """The launch plan for this batch on this GPU, with the cheapest of this kernel's configurations (host
         side, before any capture; compiles that configuration if it has not been yet)."""
-        p = choose_plan(args, num_heads, self.num_sms, self.configs)
+        p = choose_plan(args, num_heads, self.num_sms, self.configs, l2_bytes=self.l2_bytes)
         self.compiled(p.config)
         return p
 
