@@ -1,6 +1,9 @@
-"""How much of a case's time is its pool rows missing L2: each case as `kdtree bench` plans it, timed against the
-same launch with every request's prefix keys pointed at the longest request's pool rows (the same rows read in the
-same order, but one request's prefix to hold in L2 instead of all of them; the output is wrong, the work is not).
+"""How much of a case's time is its pool rows missing L2. Each case as `kdtree bench` plans it, timed against
+- the same launch with every request's prefix keys pointed at the longest request's pool rows (the same number of
+  rows read in the same order, but one request's prefix to hold in L2 instead of all of them; the output is wrong,
+  the work is not);
+- two launches of the case with half of each prefix (what a plan sweeping every request's keys in two halves would
+  cost, its merge left out).
 
 Usage: python3 scripts/l2_share.py [--cases substring ...]   (needs a GPU; one line a case)
 """
@@ -27,25 +30,35 @@ def shared_prefix(args):
     return dataclasses.replace(args, combined_kv_indices=idx)
 
 
+def timer(case):
+    """(ms(args): the median of one launch of `case` as planned with `args` in place of its own, its args, plan)."""
+    kern = VerifyKernel.get()
+    cap = synthesize(case.spec(), reference=False)
+    args = marshal(cap)
+    p = kern.plan(args, cap.meta.num_heads).to("cuda")
+    q, pool = cap.layer(0).q.cuda(), cap.pool(0, "cuda")
+    o, lse, ws = bench.launch_outputs(cap, p)
+
+    def ms(x):
+        dev = x.to("cuda")
+        return triton.testing.do_bench(lambda: kern.launch(p, dev, q, pool, o, lse, ws), warmup=25, rep=100)
+
+    return ms, args, p
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="*", default=["8k x8", "mixed", "32k x2", "32k x4", "128k", "8k x4"])
     a = ap.parse_args()
-    kern = VerifyKernel.get()
-    print(f"L2 {kern.l2_bytes / 2**20:.0f} MiB")
+    print(f"L2 {VerifyKernel.get().l2_bytes / 2**20:.0f} MiB")
     for case in bench.select_cases(a.cases, probes=True):
-        cap = synthesize(case.spec(), reference=False)
-        args = marshal(cap)
-        p = kern.plan(args, cap.meta.num_heads).to("cuda")
-        q, pool = cap.layer(0).q.cuda(), cap.pool(0, "cuda")
-        o, lse, ws = bench.launch_outputs(cap, p)
-        ms = {}
-        for name, x in (("own rows", args), ("shared prefix", shared_prefix(args))):
-            dev = x.to("cuda")
-            ms[name] = triton.testing.do_bench(lambda dev=dev: kern.launch(p, dev, q, pool, o, lse, ws), warmup=25, rep=100)
+        ms, args, p = timer(case)
+        own, shared = ms(args), ms(shared_prefix(args))
+        half_ms, half_args, _ = timer(dataclasses.replace(case, prefix_lens=tuple(n // 2 for n in case.prefix_lens)))
+        halves = 2 * half_ms(half_args)
         print(
             f"{case.name:34s} pool rows {pool_row_bytes(args) / 2**20:6.1f} MiB grid {p.grid} segments {p.segments:4d} "
-            f"own {ms['own rows']:.3f} ms shared {ms['shared prefix']:.3f} ms ({ms['shared prefix'] / ms['own rows']:.2f}x)",
+            f"own {own:.3f} ms, shared prefix {shared:.3f} ({shared / own:.2f}x), 2 x half {halves:.3f} ({halves / own:.2f}x)",
             flush=True,
         )
 
