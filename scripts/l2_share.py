@@ -41,7 +41,7 @@ def timer(case):
 
     def ms(x):
         dev = x.to("cuda")
-        return triton.testing.do_bench(lambda: kern.launch(p, dev, q, pool, o, lse, ws), warmup=25, rep=100)
+        return triton.testing.do_bench(lambda: kern.launch(p, dev, q, pool, o, lse, ws), warmup=25, rep=100, return_mode="median")
 
     return ms, args, p
 

@@ -10,7 +10,7 @@ import argparse
 import torch
 
 from kdtree import bench  # noqa: E402
-from kdtree.kernel import KernelConfig, VerifyKernel, device_arch  # noqa: E402
+from kdtree.kernel import KernelConfig, VerifyKernel, choose_plan, device_arch  # noqa: E402
 
 
 def main():
@@ -22,14 +22,20 @@ def main():
     ap.add_argument(
         "--candidates", action="store_true", help="the target's candidates, one picked for the batch (as kdtree bench runs)"
     )
-    ap.add_argument("--no-l2", action="store_true", help="plan as if the GPU's L2 size were unknown (choose_plan)")
+    ap.add_argument("--no-l2", action="store_true", help="plan as if the GPU's L2 size were unknown (choose_plan's l2_bytes)")
     a = ap.parse_args()
     case = next(c for c in bench.ALL_CASES if a.case in c.name)
     config = KernelConfig.for_arch(a.target or device_arch()).with_defines(a.define)
-    kern = VerifyKernel.get(None if a.candidates and not a.define else config)
-    if a.no_l2:
-        kern.l2_bytes = None
-    run = bench.case_launch(case, kern.plan)
+    if a.candidates and a.define:
+        ap.error("--candidates runs the target's configurations as they are: no --define with it")
+    kern = VerifyKernel.get(KernelConfig.candidates(a.target or device_arch()) if a.candidates else config)
+
+    def plan_fn(args, num_heads):
+        p = choose_plan(args, num_heads, kern.num_sms, kern.configs, l2_bytes=None if a.no_l2 else kern.l2_bytes)
+        kern.compiled(p.config)
+        return p
+
+    run = bench.case_launch(case, plan_fn)
     for _ in range(a.launches):
         run.launch(kern)
     torch.cuda.synchronize()

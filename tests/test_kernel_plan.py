@@ -313,10 +313,10 @@ def test_the_cost_is_the_slowest_blocks(arch):
 
 def test_batches_over_l2_with_fewer_row_tiles_than_blocks_run_one_tile_a_block():
     """With the H200's 60 MiB of L2, of the twelve bench cases only DeepSeek-V3 32k x2 changes plan: 130 row tiles
-    on 76 MB of pool rows run one a block on 130 blocks, nothing split (1.121 against 1.345 ms balanced over 132).
-    8k x8 and mixed (over L2, fewer tiles than blocks) stay balanced: one tile a block would leave 60 and 78 of the
-    132 blocks idle. ddtree1024 (129 tiles on 10.6 MB) fits L2 and keeps its plan; so does every case on a 128 MiB L2
-    (the RTX PRO 6000's), and a batch with no L2 size."""
+    on 72.6 MiB of pool rows run one a block on 130 blocks, nothing split (1.121 against 1.345 ms balanced over
+    132). 8k x8, mixed, 128k and 64 x N1 (over L2, fewer tiles than blocks) stay balanced: one tile a block would
+    leave 60, 78, 123 and 68 of the 132 blocks idle. ddtree1024 (129 tiles on 10.1 MiB) fits L2 and keeps its plan;
+    so does every case on a 128 MiB L2, and with no L2 size."""
     from kdtree.bench import ALL_CASES
     from kdtree.kernel import choose_plan
     from kdtree.kernel.planner import pool_row_bytes
@@ -327,14 +327,33 @@ def test_batches_over_l2_with_fewer_row_tiles_than_blocks_run_one_tile_a_block()
         cap = synthesize(case.spec(), reference=False)
         args, H = marshal(cap), cap.meta.num_heads
         base = choose_plan(args, H, 132, configs)
-        roomy = choose_plan(args, H, 132, configs, l2_bytes=128 << 20)
-        assert (roomy.config, roomy.arrays["cta_unit_start"].tolist()) == (base.config, base.arrays["cta_unit_start"].tolist())
+        for same in (choose_plan(args, H, 132, configs, l2_bytes=0), choose_plan(args, H, 132, configs, l2_bytes=128 << 20)):
+            assert (same.config, same.arrays["cta_unit_start"].tolist()) == (base.config, base.arrays["cta_unit_start"].tolist())
         p = choose_plan(args, H, 132, configs, l2_bytes=60 << 20)
         if (p.config, p.grid, p.segments) != (base.config, base.grid, base.segments):
             changed.append(case.name)
-            assert pool_row_bytes(args) > 50 << 20 and base.row_tiles < base.grid, case.name
+            assert pool_row_bytes(args) > 60 << 20 and base.row_tiles < base.grid, case.name
             assert (p.grid, p.segments) == (p.row_tiles, 0) and base.split, case.name
     assert changed == ["dsv3-tp8 ddtree256 32k x2"]
+
+
+def test_over_l2_a_split_plan_costs_l2_spread_cost_more(monkeypatch):
+    """108 row tiles of DeepSeek-V3 (2 x 3,408 rows on 8,213 keys) on 132 blocks: by the cost model alone the
+    batch is balanced over all 132 (nearly every tile split); over L2, at L2_SPREAD_COST, it runs one tile a
+    block."""
+    import kdtree.kernel.planner as planner
+    from kdtree.kernel import choose_plan
+
+    cap = synthesize(
+        SynthSpec(preset="deepseek-v3-tp8", batch_size=2, prefix_lens=[8000, 8000], budget=212, seed=2), reference=False
+    )
+    args, H = marshal(cap), cap.meta.num_heads
+    configs = KernelConfig.candidates("sm_90")
+    p = choose_plan(args, H, 132, configs, l2_bytes=1)
+    assert (p.grid, p.row_tiles, p.segments) == (108, 108, 0)
+    monkeypatch.setattr(planner, "L2_SPREAD_COST", 0.0)
+    p = choose_plan(args, H, 132, configs, l2_bytes=1)
+    assert p.grid == 132 and p.split
 
 
 def test_a_grid_of_one_row_tile_a_block():

@@ -257,8 +257,8 @@ def plan(
 UNIT_COST = {"wgmma64": 1.0, "wgmma64_b64": 0.82, "mma64": 1.8, "mma32": 1.15}
 SEGMENT_COST_PER_ROW = 0.3
 SEGMENT_COST_SCALE = {"wgmma64_b64": 1.31}
-# A balanced split of fewer row tiles than blocks whose pool rows exceed L2 (`choose_plan`): its blocks read the
-# keys at every offset at once, from HBM. Fitted to one H200 pair (DeepSeek-V3 2 x 4,112 rows on 33,025 keys, 76 MB
+# A split plan of a batch whose pool rows exceed L2 (`choose_plan`): its blocks read the keys at every offset at
+# once, from HBM. Fitted to one H200 pair (DeepSeek-V3 2 x 4,112 rows on 33,025 keys, 76 MB
 # of rows: 1.345 ms balanced over 132 blocks, 1.121 one tile a block on 130; the model alone priced them 881 / 872).
 L2_SPREAD_COST = 0.2
 POOL_ROW_BYTES = 576 * 2
@@ -283,7 +283,7 @@ def estimated_cost(p: LaunchPlan) -> float:
 
 
 def pool_row_bytes(args: VerifyArgs) -> int:
-    """The bytes of every pool row the batch's requests read, once each (prefix and draft keys, 576 bf16 a row)."""
+    """The bytes of the pool rows the batch reads, each request's once (prefix and draft keys, 576 bf16 a row)."""
     return int(args.combined_kv_indptr[-1] - args.combined_kv_indptr[0]) * POOL_ROW_BYTES
 
 
@@ -294,20 +294,20 @@ def choose_plan(
     the cheapest by `estimated_cost` (the first on ties). Equal row tiles can fill the grid one a block with no
     split, which tiles of uneven lengths (a big tree's) do not.
 
-    A batch with fewer row tiles than blocks, balanced over the whole grid, starts each block at another offset
-    into its tile, so a request's blocks read all of its keys at once instead of sweeping them together. Where
-    the batch's pool rows exceed the L2 cache (`l2_bytes`, the GPU's), those reads go to HBM: such a batch is
-    also planned one row tile a block (the other blocks idle, nothing split), and its balanced plans cost
-    L2_SPREAD_COST more (docs/kernel-design.md, "Cost model")."""
+    A split plan starts its blocks at many offsets into their tiles, so a request's blocks read all of its keys at
+    once instead of sweeping them together. Where the batch's pool rows exceed the L2 cache (`l2_bytes`, the
+    GPU's; None or 0: unknown) those reads go to HBM: every split plan then costs L2_SPREAD_COST more, and a batch
+    with fewer row tiles than blocks is also planned one tile a block, kept where nothing is split
+    (docs/kernel-design.md, "Cost model")."""
     plans = [plan(args, num_heads, num_sms, c, visible_keys=v) for c in configs for v in (True, False)]
-    if l2_bytes is None or pool_row_bytes(args) <= l2_bytes:
+    if not l2_bytes or pool_row_bytes(args) <= l2_bytes:
         return min(plans, key=estimated_cost)
     whole = [
         plan(args, num_heads, num_sms, p.config, visible_keys=v, grid=p.row_tiles)
         for p, v in zip(plans, (True, False) * len(configs))
         if p.row_tiles < p.grid
     ]
-    return min(plans + whole, key=lambda p: estimated_cost(p) * (1 + L2_SPREAD_COST * (p.split and p.row_tiles < p.grid)))
+    return min(plans + [p for p in whole if not p.split], key=lambda p: estimated_cost(p) * (1 + L2_SPREAD_COST * p.split))
 
 
 @dataclass
