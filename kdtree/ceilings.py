@@ -11,14 +11,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kdtree.kernel.config import KERNEL_DIR
+from kdtree.kernel.config import KERNEL_DIR, POOL_ROW_BYTES
 
 SOURCE = KERNEL_DIR / "mma_ceiling.cu"
 GATHER_SOURCE = KERNEL_DIR / "gather_ceiling.cu"
 KERNELS = {"mma_raw": 8, "mma_ldmatrix": 8}  # entry point: MMAs a warp issues per loop iteration
 THREADS, BLOCKS_PER_SM, ITERS = 256, 4, 4096
 FLOP_PER_MMA = 2 * 16 * 8 * 16  # m16n8k16
-POOL_ROW_BYTES, TILE_ROWS = 576 * 2, 32  # a pool row (kv_lora_rank 512 + rope 64, bf16); rows a tile
+TILE_ROWS = 32  # pool rows a tile
 # name -> (stages, pool rows); stages S runs entry point gather_S. 8,192 rows are 9.4 MB (L2-resident), 4M rows
 # 4.8 GB (HBM)
 GATHERS = {"gather_l2": (4, 1 << 13), "gather_l2_2stages": (2, 1 << 13), "gather_hbm": (4, 1 << 22)}

@@ -16,8 +16,6 @@ import triton.testing
 from kdtree import bench
 from kdtree.kernel import VerifyKernel
 from kdtree.kernel.planner import pool_row_bytes
-from kdtree.marshal import marshal
-from kdtree.synth import synthesize
 
 
 def shared_prefix(args):
@@ -30,34 +28,24 @@ def shared_prefix(args):
     return dataclasses.replace(args, combined_kv_indices=idx)
 
 
-def timer(case):
-    """(ms(args): the median of one launch of `case` as planned with `args` in place of its own, its args, plan)."""
-    kern = VerifyKernel.get()
-    cap = synthesize(case.spec(), reference=False)
-    args = marshal(cap)
-    p = kern.plan(args, cap.meta.num_heads).to("cuda")
-    q, pool = cap.layer(0).q.cuda(), cap.pool(0, "cuda")
-    o, lse, ws = bench.launch_outputs(cap, p)
-
-    def ms(x):
-        dev = x.to("cuda")
-        return triton.testing.do_bench(lambda: kern.launch(p, dev, q, pool, o, lse, ws), warmup=25, rep=100, return_mode="median")
-
-    return ms, args, p
+def median_ms(kern, run: bench.CaseLaunch) -> float:
+    return triton.testing.do_bench(lambda: run.launch(kern), warmup=25, rep=100, return_mode="median")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="*", default=["8k x8", "mixed", "32k x2", "32k x4", "128k", "8k x4"])
     a = ap.parse_args()
-    print(f"L2 {VerifyKernel.get().l2_bytes / 2**20:.0f} MiB")
+    kern = VerifyKernel.get()
+    print(f"L2 {kern.l2_bytes / 2**20:.0f} MiB")
     for case in bench.select_cases(a.cases, probes=True):
-        ms, args, p = timer(case)
-        own, shared = ms(args), ms(shared_prefix(args))
-        half_ms, half_args, _ = timer(dataclasses.replace(case, prefix_lens=tuple(n // 2 for n in case.prefix_lens)))
-        halves = 2 * half_ms(half_args)
+        run = bench.case_launch(case, kern.plan)
+        own, shared = median_ms(kern, run), median_ms(kern, dataclasses.replace(run, args=shared_prefix(run.args)))
+        half = dataclasses.replace(case, prefix_lens=tuple(n // 2 for n in case.prefix_lens))
+        halves = 2 * median_ms(kern, bench.case_launch(half, kern.plan))
+        p = run.plan
         print(
-            f"{case.name:34s} pool rows {pool_row_bytes(args) / 2**20:6.1f} MiB grid {p.grid} segments {p.segments:4d} "
+            f"{case.name:34s} pool rows {pool_row_bytes(run.args) / 2**20:6.1f} MiB grid {p.grid} segments {p.segments:4d} "
             f"own {own:.3f} ms, shared prefix {shared:.3f} ({shared / own:.2f}x), 2 x half {halves:.3f} ({halves / own:.2f}x)",
             flush=True,
         )

@@ -30,12 +30,12 @@ def main():
         ap.error("--candidates runs the target's configurations as they are: no --define with it")
     kern = VerifyKernel.get(KernelConfig.candidates(a.target or device_arch()) if a.candidates else config)
 
-    def plan_fn(args, num_heads):
-        p = choose_plan(args, num_heads, kern.num_sms, kern.configs, l2_bytes=None if a.no_l2 else kern.l2_bytes)
+    def unknown_l2(args, num_heads):  # VerifyKernel.plan without the GPU's L2 size
+        p = choose_plan(args, num_heads, kern.num_sms, kern.configs)
         kern.compiled(p.config)
         return p
 
-    run = bench.case_launch(case, plan_fn)
+    run = bench.case_launch(case, unknown_l2 if a.no_l2 else kern.plan)
     for _ in range(a.launches):
         run.launch(kern)
     torch.cuda.synchronize()

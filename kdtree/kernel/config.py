@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+POOL_ROW_BYTES = 576 * 2  # a pool row: kv_lora_rank 512 + rope 64, bf16
 SOURCE = KERNEL_DIR / "verify_mla.cu"
 FWD, MERGE = "verify_mla_fwd", "verify_mla_merge"
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kdtree.kernel.config import FUSED_MERGE_SEGS, KernelConfig
+from kdtree.kernel.config import FUSED_MERGE_SEGS, POOL_ROW_BYTES, KernelConfig
 from kdtree.marshal import VerifyArgs
 
 FWD_ARRAYS = ("cta_unit_start", "cta_first_rt", "rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base")
@@ -261,7 +261,6 @@ SEGMENT_COST_SCALE = {"wgmma64_b64": 1.31}
 # once, from HBM. Fitted to one H200 pair (DeepSeek-V3 2 x 4,112 rows on 33,025 keys, 76 MB
 # of rows: 1.345 ms balanced over 132 blocks, 1.121 one tile a block on 130; the model alone priced them 881 / 872).
 L2_SPREAD_COST = 0.2
-POOL_ROW_BYTES = 576 * 2
 
 
 def cost_kind(config: KernelConfig) -> str:
@@ -299,12 +298,13 @@ def choose_plan(
     GPU's; None or 0: unknown) those reads go to HBM: every split plan then costs L2_SPREAD_COST more, and a batch
     with fewer row tiles than blocks is also planned one tile a block, kept where nothing is split
     (docs/kernel-design.md, "Cost model")."""
-    plans = [plan(args, num_heads, num_sms, c, visible_keys=v) for c in configs for v in (True, False)]
+    options = [(c, v) for c in configs for v in (True, False)]
+    plans = [plan(args, num_heads, num_sms, c, visible_keys=v) for c, v in options]
     if not l2_bytes or pool_row_bytes(args) <= l2_bytes:
         return min(plans, key=estimated_cost)
     whole = [
-        plan(args, num_heads, num_sms, p.config, visible_keys=v, grid=p.row_tiles)
-        for p, v in zip(plans, (True, False) * len(configs))
+        plan(args, num_heads, num_sms, c, visible_keys=v, grid=p.row_tiles)
+        for (c, v), p in zip(options, plans)
         if p.row_tiles < p.grid
     ]
     return min(plans + [p for p in whole if not p.split], key=lambda p: estimated_cost(p) * (1 + L2_SPREAD_COST * p.split))
