@@ -5,7 +5,9 @@ then recorded into the graph and rebuilt on the GPU at every replay from the new
 Where the draft spans more than 4 key tiles, row tiles end at the last key their rows may see, read from the
 marshaled tree bits (`PlanShape.visible_keys`; the host planner's `visible_keys`). The grid is fixed (`grid`
 blocks); a batch with fewer work units than blocks leaves the trailing blocks empty (`cta_unit_start` repeats
-the unit count; the kernel's loop does not run for them). Row tiles are
+the unit count; the kernel's loop does not run for them), and so does one with fewer row tiles than blocks whose
+pool rows exceed the L2 (`PlanShape.l2_bytes`) and whose longest tile is within `L2_SPREAD_COST` of a block's
+balanced share: it runs one tile a block, as `kdtree.kernel.choose_plan` would plan it. Row tiles are
 never split across an empty block, so the partial slots are those `kdtree.kernel.plan` would give. The
 arithmetic is the host planner's in float64; where a boundary lands on a float rounding of the balanced
 work, a different order of summation (torch's, the GPU's) can move it by one unit, which changes the balance
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kdtree.kernel import PLAN_ARRAYS, SEGMENT_OVERHEAD_UNITS, KernelConfig, LaunchPlan, few_row_weight, row_tile_key_tiles
+from kdtree.kernel.planner import L2_SPREAD_COST, POOL_ROW_BYTES
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class PlanShape:
     num_heads: int
     config: KernelConfig
     grid: int  # persistent blocks (the kernel's grid, fixed)
+    l2_bytes: int | None = None  # the GPU's L2: a batch over it with fewer row tiles than blocks may run one a block
 
     @property
     def tiles_per_request(self) -> int:
@@ -120,6 +124,11 @@ def plan_on_device(
     rt_unit_start = torch.cat([kv.new_zeros(1), torch.cumsum(key_tiles, 0)])
     units = rt_unit_start[-1]
     live = torch.clamp(units, max=shape.grid)
+    if shape.l2_bytes is not None and R < shape.grid:  # `choose_plan`'s case, by its penalty alone: one tile a
+        # block where the batch's pool rows exceed L2 and its longest tile is within L2_SPREAD_COST of a block's share
+        over = combined_kv_indptr[bs].long() * POOL_ROW_BYTES > shape.l2_bytes
+        whole = over & (key_tiles.max() * shape.grid < (1 + L2_SPREAD_COST) * units)
+        live = torch.where(whole, torch.full_like(live, R), live)
     weight = few_row_weight(cfg) if few_unit_cost is None else few_unit_cost
     few = torch.ones(R, dtype=torch.float64, device=dev).masked_fill(tile_rows <= cfg.few_row_limit, weight)
     cta_unit_start = balanced_split_t(rt_unit_start, shape.grid, live, segment_units, few)

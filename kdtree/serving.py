@@ -159,7 +159,9 @@ class ServingPath:
         try:
             if self._plan_pool is None:
                 self._plan_pool = torch.cuda.graph_pool_handle()
-            return PlanGraph(PlanShape(bs, n, num_heads, self.config, self.grid), words, dev, self._plan_pool)
+            return PlanGraph(
+                PlanShape(bs, n, num_heads, self.config, self.grid, self.kernel.l2_bytes), words, dev, self._plan_pool
+            )
         except Exception as e:  # noqa: BLE001 - graphs are an optimisation
             self.use_plan_graphs = False
             self.plan_graph_error = f"{type(e).__name__}: {e}"
@@ -255,7 +257,11 @@ class ServingPath:
         )
         if graph is None:  # inside a capture: recorded into the server's graph, with a workspace of its own
             plan = plan_on_device(
-                qo, combined_indptr, prefix_lens, tree_mask, PlanShape(bs, n, num_heads, self.config, self.grid)
+                qo,
+                combined_indptr,
+                prefix_lens,
+                tree_mask,
+                PlanShape(bs, n, num_heads, self.config, self.grid, self.kernel.l2_bytes),
             )
             return PreparedStep(args, plan, Workspace.for_plan(plan, dev))
         plan = graph.replay()

@@ -133,3 +133,36 @@ def test_lengths_that_disagree_with_the_mask_stay_inside_it():
     assert shape.visible_keys
     p = plan_on_device(qo, combined, torch.tensor([10, 10], dtype=torch.int32), torch.zeros(bs * n, 5, dtype=torch.int32), shape)
     check_valid(p, shape)
+
+
+def test_a_batch_over_l2_runs_one_tile_a_block_on_the_device_too():
+    """With `PlanShape.l2_bytes`, 130 equal row tiles (2 x 4,112 rows of DeepSeek-V3) on 132 blocks run one a block
+    once their pool rows exceed L2: the host's plan over 130 blocks, the last two empty. Under L2, or with tiles
+    too few for the blocks (8 x 520 rows: 72 tiles), the plan is the balanced one over all 132."""
+    from kdtree.kernel.planner import pool_row_bytes
+    from kdtree.synth import SynthSpec, synthesize
+
+    cfg = CONFIGS["sm_90a-no-few"]
+    cap = synthesize(
+        SynthSpec(preset="deepseek-v3-tp8", batch_size=2, prefix_lens=[2000, 2000], budget=256, seed=2), reference=False
+    )
+    args, H = marshal(cap), cap.meta.num_heads
+    n = int(args.max_num_draft)
+    on_device = lambda l2: plan_on_device(  # noqa: E731
+        args.qo_indptr, args.combined_kv_indptr, args.prefix_lens, args.tree_mask, PlanShape(2, n, H, cfg, 132, l2)
+    )
+    vis = PlanShape(2, n, H, cfg, 132).visible_keys
+    whole = plan(args, H, 132, cfg, fused_merge=False, visible_keys=vis, grid=130)
+    got = on_device(pool_row_bytes(args) - 1)
+    assert torch.equal(got.arrays["cta_unit_start"][:131], whole.arrays["cta_unit_start"])
+    assert (got.arrays["cta_unit_start"][130:] == whole.units).all()
+    assert [s for s in got.walk() if s[2] != s[3]] == whole.walk()
+    balanced = plan(args, H, 132, cfg, fused_merge=False, visible_keys=vis)
+    for l2 in (pool_row_bytes(args), None):
+        assert torch.equal(on_device(l2).arrays["cta_unit_start"], balanced.arrays["cta_unit_start"])
+    few = synthesize(SynthSpec(batch_size=8, prefix_lens=[300] * 8, budget=64, seed=3), reference=False)
+    fa = marshal(few)
+    got = plan_on_device(fa.qo_indptr, fa.combined_kv_indptr, fa.prefix_lens, fa.tree_mask, PlanShape(8, 65, 8, cfg, 132, 1))
+    assert torch.equal(
+        got.arrays["cta_unit_start"], plan(fa, 8, 132, cfg, fused_merge=False, visible_keys=False).arrays["cta_unit_start"]
+    )
