@@ -124,7 +124,7 @@ def plan_on_device(
     rt_unit_start = torch.cat([kv.new_zeros(1), torch.cumsum(key_tiles, 0)])
     units = rt_unit_start[-1]
     live = torch.clamp(units, max=shape.grid)
-    if shape.l2_bytes is not None and R < shape.grid:  # `choose_plan`'s case, by its penalty alone: one tile a
+    if shape.l2_bytes and R < shape.grid:  # `choose_plan`'s case, by its penalty alone: one tile a
         # block where the batch's pool rows exceed L2 and its longest tile is within L2_SPREAD_COST of a block's share
         over = combined_kv_indptr[bs].long() * POOL_ROW_BYTES > shape.l2_bytes
         whole = over & (key_tiles.max() * shape.grid < (1 + L2_SPREAD_COST) * units)
