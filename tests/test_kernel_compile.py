@@ -186,6 +186,20 @@ def test_gather_ceiling_microkernels_compile_without_spills(arch):
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0 and r.registers <= 64, r.line()
 
 
+@pytest.mark.parametrize("arch", ["sm_120", "sm_90a"])
+def test_gather_pair_probe_compiles_without_spills(arch):
+    """scripts/gather_pair_probe.py's gathers (kernels/gather_pair_probe.cu): every mode at 2 and 4 stages builds,
+    no local memory; on sm_120 ptxas flags the multicast form, the one that does not map to an instruction there."""
+    from kdtree.kernel.config import KERNEL_DIR
+
+    _, log = nvrtc_compile(arch, KernelConfig(), source=KERNEL_DIR / "gather_pair_probe.cu")
+    reports = {r.name: r for r in parse_ptxas(log, arch, KernelConfig())}
+    assert set(reports) == {f"gather_{m}_{s}" for m in ("bulk", "pair_fwd", "pair_mc", "pair_cp") for s in (2, 4)}
+    for r in reports.values():
+        assert r.spill_stores == r.spill_loads == r.stack_bytes == 0 and r.registers <= 64, r.line()
+    assert ("multicast::cluster" in log) == (arch == "sm_120")
+
+
 @pytest.mark.parametrize("n,a_smem", [(32, 1), (32, 0), (64, 1), (64, 0)], ids=["n32-smem", "n32-regs", "n64-smem", "n64-regs"])
 def test_wgmma_probe_compiles_unserialised(n, a_smem):
     """scripts/wgmma_probe.py's QK chains (kernels/wgmma_probe.cu) build for sm_90a in each shape, without
