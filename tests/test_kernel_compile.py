@@ -200,6 +200,32 @@ def test_gather_pair_probe_compiles_without_spills(arch):
     assert ("multicast::cluster" in log) == (arch == "sm_120")
 
 
+def _pair_probe_builds() -> dict:
+    """scripts/pair_verify_probe.py's PARTS (name -> -D switches), read from the script without importing it (it
+    needs CuPy and a GPU), plus the default build."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).parent.parent / "scripts" / "pair_verify_probe.py").read_text())
+    (node,) = [n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PARTS"]
+    return {"default": (), **ast.literal_eval(node.value)}
+
+
+@pytest.mark.parametrize("name", list(_pair_probe_builds()))
+def test_pair_verify_probe_builds_fit_sm120(name):
+    """Every build scripts/pair_verify_probe.py times (kernels/pair_verify_probe.cu) compiles for sm_120 without
+    spills, so what it measures on the H200 is code an RTX PRO 6000 could run (the shared memory it asks for is
+    printed by the probe: 84,496 B for the 32-key forms)."""
+    from kdtree.kernel.config import KERNEL_DIR
+
+    defines = _pair_probe_builds()[name]
+    _, log = nvrtc_compile("sm_120", KernelConfig(), defines, source=KERNEL_DIR / "pair_verify_probe.cu")
+    reports = {r.name: r for r in parse_ptxas(log, "sm_120", KernelConfig())}
+    assert set(reports) == {"pair_verify", "pair_verify_smem_bytes"}
+    r = reports["pair_verify"]
+    assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, r.line()
+
+
 @pytest.mark.parametrize("n,a_smem", [(32, 1), (32, 0), (64, 1), (64, 0)], ids=["n32-smem", "n32-regs", "n64-smem", "n64-regs"])
 def test_wgmma_probe_compiles_unserialised(n, a_smem):
     """scripts/wgmma_probe.py's QK chains (kernels/wgmma_probe.cu) build for sm_90a in each shape, without
