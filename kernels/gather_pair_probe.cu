@@ -17,43 +17,14 @@
 // `stamps` gets each CTA's %globaltimer at start and end (waves show as CTAs that start after others end).
 #include <cuda_bf16.h>
 
-#include "verify_mla_ptx.cuh"
+#include "cluster_ptx.cuh"
 
 namespace {
+using namespace vmla;
 constexpr int ROWS = 32, DIM = 576, ROW_BYTES = DIM * 2, TPR = 8;
 constexpr int WAITERS = 256, IO_WARPS = 2, THREADS = WAITERS + 32 * IO_WARPS;
 enum Mode { BULK = 0, PAIR_FWD = 1, PAIR_MC = 2, PAIR_CP = 3 };
 
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ uint32_t peer_addr(uint32_t addr, uint32_t cta) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(cta));
-  return r;
-}
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_bar) {  // an address from peer_addr
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {  // bar's arrival once this thread's copies land
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
@@ -99,7 +70,7 @@ __device__ __forceinline__ void gather(const __nv_bfloat16* __restrict__ pool, c
       mbar_init(vmla::smem_addr(&full[s]), 1);   // PAIR_FWD: the peer's forwarded rows
       mbar_init(vmla::smem_addr(&empty[s]), PAIR ? 2 : 1);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_fence_init();
   }
   if (PAIR) cluster_sync(); else __syncthreads();
   const int first = (blockIdx.x / (PAIR ? 2 : 1)) * tiles * ROWS;  // a cluster's two CTAs gather the same tiles
@@ -141,7 +112,7 @@ __device__ __forceinline__ void gather(const __nv_bfloat16* __restrict__ pool, c
         mbar_wait(vmla::smem_addr(&own[s]), (t / STAGES) & 1);
         if (MODE == PAIR_CP) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async's bytes, seen by the copy
         const uint32_t src = stage_row(s, rank * MINE);
-        bulk_s2peer(peer_addr(src, peer), src, MINE * ROW_BYTES, peer_addr(vmla::smem_addr(&full[s]), peer));
+        bulk_s2peer(in_cta(src, peer), src, MINE * ROW_BYTES, in_cta(vmla::smem_addr(&full[s]), peer));
       }
     }
   } else {  // the 8 waiting warps
@@ -157,8 +128,8 @@ __device__ __forceinline__ void gather(const __nv_bfloat16* __restrict__ pool, c
       seen ^= reinterpret_cast<const unsigned*>(ring + (s * ROWS + r) * DIM)[j];
       asm volatile("bar.sync 1, %0;" ::"n"(WAITERS) : "memory");  // every waiting thread is done with stage s
       if (threadIdx.x == 0) {
-        mbar_arrive_cluster(peer_addr(vmla::smem_addr(&empty[s]), rank));
-        if (PAIR) mbar_arrive_cluster(peer_addr(vmla::smem_addr(&empty[s]), peer));
+        mbar_arrive_cluster(in_cta(vmla::smem_addr(&empty[s]), rank));
+        if (PAIR) mbar_arrive_cluster(in_cta(vmla::smem_addr(&empty[s]), peer));
       }
       if (MODE == PAIR_CP && threadIdx.x < CP_THREADS && t + STAGES < tiles) {
         mbar_wait(vmla::smem_addr(&empty[s]), (t / STAGES) & 1);  // both CTAs are done with stage s

@@ -18,7 +18,7 @@
 // PROBE_SKIP_LOAD leaves the pool-row copies out.
 #include <cuda_bf16.h>
 
-#include "verify_mla_ptx.cuh"
+#include "cluster_ptx.cuh"
 
 #ifndef PROBE_ROLE_ONLY
 #define PROBE_ROLE_ONLY 0
@@ -68,37 +68,11 @@ struct ConsumerSmem {
 };
 constexpr int SMEM = sizeof(ProducerSmem) > sizeof(ConsumerSmem) ? sizeof(ProducerSmem) : sizeof(ConsumerSmem);
 
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ uint32_t in_cta(const void* p, uint32_t cta) {  // p's offset in CTA `cta`'s shared memory
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(vmla::smem_addr(p)), "r"(cta));
-  return r;
-}
-__device__ __forceinline__ void mbar_init(void* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(vmla::smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(void* bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(vmla::smem_addr(bar)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_bar) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(void* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT;\n}\n" ::"r"(vmla::smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
+__device__ __forceinline__ uint32_t in_cta(const void* p, uint32_t cta) { return vmla::in_cta(vmla::smem_addr(p), cta); }
+__device__ __forceinline__ void mbar_init(void* bar, int count) { vmla::mbar_init(vmla::smem_addr(bar), count); }
+__device__ __forceinline__ void mbar_expect_tx(void* bar, int bytes) { vmla::mbar_expect_tx(vmla::smem_addr(bar), bytes); }
+__device__ __forceinline__ void mbar_wait(void* bar, uint32_t parity) { vmla::mbar_wait(vmla::smem_addr(bar), parity); }
+using vmla::cluster_rank, vmla::cluster_sync, vmla::mbar_arrive_cluster;
 __device__ __forceinline__ void st_async(uint32_t cluster_addr, uint32_t value, uint32_t cluster_bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(cluster_addr),
                "r"(value), "r"(cluster_bar)
@@ -130,6 +104,28 @@ __device__ __forceinline__ int slot_of(const int* slots, int tile, int ntiles) {
   return tile < ntiles ? slots[tile * BN + threadIdx.x / TPR] : 0;
 }
 
+// The first STAGES - 1 tiles' rows (their first WIDTH dims) into `ring`; returns this thread's slot id of the next.
+template <int WIDTH, int STRIDE>
+__device__ __forceinline__ int ring_start(__nv_bfloat16 (*ring)[BN][STRIDE], const __nv_bfloat16* pool,
+                                          const int* slots, int ntiles, bool on) {
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (on) gather_rows<WIDTH, STRIDE>(ring[i], pool, slot_of(slots, i, ntiles));
+    vmla::cp_async_commit();
+  }
+  return slot_of(slots, STAGES - 1, ntiles);
+}
+// Tile t: waits until it has landed and every thread is past tile t - 1, refills that stage with tile
+// t + STAGES - 1 (`slot_next`, read a tile earlier), and reads the slot id of the tile after it.
+template <int WIDTH, int STRIDE>
+__device__ __forceinline__ void ring_step(__nv_bfloat16 (*ring)[BN][STRIDE], const __nv_bfloat16* pool,
+                                          const int* slots, int ntiles, int t, int& slot_next, bool on) {
+  vmla::cp_async_wait<STAGES - 2>();
+  __syncthreads();
+  if (on && t + STAGES - 1 < ntiles) gather_rows<WIDTH, STRIDE>(ring[(t + STAGES - 1) % STAGES], pool, slot_next);
+  vmla::cp_async_commit();
+  slot_next = slot_of(slots, t + STAGES, ntiles);
+}
+
 // PROBE_DSPLIT 2: warps = 2 row groups of 32 x 2 key halves x 2 dim halves (partial scores summed through shared
 // memory, the softmax on 4 warps); 1: 4 row groups of 16 x 2 key halves over all 576 dims (K read twice as often,
 // no partial scores, the softmax on all 8 warps). Either way 144 Q registers a thread.
@@ -157,19 +153,11 @@ __device__ void producer(ProducerSmem& sm, const __nv_bfloat16* q, const __nv_bf
   for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
     for (int h = 0; h < 2; ++h) m_run[mi][h] = -__int_as_float(0x7f800000), l_run[mi][h] = 0.f;
-  for (int i = 0; i < STAGES - 1; ++i) {
-    gather_rows<DIM, KSTRIDE>(sm.k[i], pool, slot_of(slots, i, ntiles));
-    vmla::cp_async_commit();
-  }
-  int slot_next = slot_of(slots, STAGES - 1, ntiles);
+  int slot_next = ring_start<DIM, KSTRIDE>(sm.k, pool, slots, ntiles, true);
 #pragma unroll 1
   for (int t = 0; t < ntiles; ++t) {
     const int s = t % STAGES;
-    vmla::cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile t landed; every thread is past tile t - 1, whose stage is refilled now
-    if (t + STAGES - 1 < ntiles) gather_rows<DIM, KSTRIDE>(sm.k[(t + STAGES - 1) % STAGES], pool, slot_next);
-    vmla::cp_async_commit();
-    slot_next = slot_of(slots, t + STAGES, ntiles);
+    ring_step<DIM, KSTRIDE>(sm.k, pool, slots, ntiles, t, slot_next, true);
     float c[ACC][MT][2][4] = {};  // [..][ni]: NT of the 2 used
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
@@ -372,23 +360,15 @@ __device__ void consumer(ConsumerSmem& sm, const __nv_bfloat16* pool, const int*
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4, col0 = warp * 64;
   ProducerSmem& peer = reinterpret_cast<ProducerSmem&>(sm);
   float acc[4][8][4] = {};
-  for (int i = 0; i < STAGES - 1 && !PROBE_FWD_V; ++i) {
-    gather_rows<VDIM, VSTRIDE>(sm.v[i], pool, slot_of(slots, i, ntiles));
-    vmla::cp_async_commit();
-  }
-  int slot_next = slot_of(slots, STAGES - 1, ntiles);
+  int slot_next = ring_start<VDIM, VSTRIDE>(sm.v, pool, slots, ntiles, !PROBE_FWD_V);
 #pragma unroll 1
   for (int t = 0; t < ntiles; ++t) {
     const int s = t % STAGES;
-    vmla::cp_async_wait<STAGES - 2>();
-    __syncthreads();  // V of tile t landed; every thread is done with tile t - 1's V and P
+    ring_step<VDIM, VSTRIDE>(sm.v, pool, slots, ntiles, t, slot_next, !PROBE_FWD_V);  // (every thread done with t - 1)
     if (threadIdx.x == 0 && PROBE_ROLE_ONLY == 0) {
-      if (t > 0) mbar_arrive_remote(in_cta(&peer.p_empty[(t - 1) % STAGES], 0));
+      if (t > 0) mbar_arrive_cluster(in_cta(&peer.p_empty[(t - 1) % STAGES], 0));
       mbar_expect_tx(&sm.p_full[s], P_TX);
     }
-    if (t + STAGES - 1 < ntiles && !PROBE_FWD_V) gather_rows<VDIM, VSTRIDE>(sm.v[(t + STAGES - 1) % STAGES], pool, slot_next);
-    vmla::cp_async_commit();
-    slot_next = slot_of(slots, t + STAGES, ntiles);
     if (PROBE_ROLE_ONLY == 0) mbar_wait(&sm.p_full[s], (t / STAGES) & 1);
 #pragma unroll
     for (int mi = 0; mi < 4; ++mi) {
@@ -444,7 +424,7 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS)
       for (int s = 0; s < STAGES; ++s) mbar_init(&sm.p_full[s], 1);
       mbar_init(&sm.fin, 1);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    vmla::mbar_fence_init();
   }
   cluster_sync();
   slots += static_cast<int64_t>(cluster) * nkeys;
