@@ -38,6 +38,9 @@ namespace {
 #define PROBE_FWD_V 0  // 1 (with PROBE_PINGPONG): the producer forwards each tile's V (its K rows' first 1,024 B) into
                        // the consumer's stage by st.async, so the consumer gathers nothing and L2 is read once a row
 #endif
+#ifndef PROBE_PSTAGES
+#define PROBE_PSTAGES PROBE_STAGES  // the P ring in the consumer: tiles the scorer may run ahead of the P V
+#endif
 #ifndef PROBE_BN
 #define PROBE_BN 32  // keys a tile (16 or 32)
 #endif
@@ -50,6 +53,8 @@ static_assert((BN == 16 || BN == 32) && (PROBE_DSPLIT == 1 || BN == 32), "16-key
 constexpr int KSTRIDE = DIM + 8, VSTRIDE = VDIM + 8, PSTRIDE = BN + 8;  // +16 B: conflict-free ldmatrix rows
 constexpr int P_TX = ROWS * BN * 2 + ROWS * 4 + (PROBE_FWD_V ? BN * VDIM * 2 : 0);  // P, the rescale factors (and V)
 static_assert(!PROBE_FWD_V || PROBE_PINGPONG, "the forward is the ping-pong producer's");
+constexpr int PS = PROBE_PSTAGES;
+static_assert(!PROBE_FWD_V || PS == STAGES, "a forwarded V stage is freed with its P stage");
 
 struct ProducerSmem {
   __nv_bfloat16 k[STAGES][BN][KSTRIDE];
@@ -57,14 +62,14 @@ struct ProducerSmem {
   float rowmax[2][ROWS];     // each key half's tile maxima
   float rowsum[2][ROWS];
   float state_m[ROWS], state_l[ROWS];  // PROBE_PINGPONG: the running max and sum after the last tile scored
-  unsigned long long p_empty[STAGES];
+  unsigned long long p_empty[PS];
 };
 struct ConsumerSmem {
   __nv_bfloat16 v[STAGES][BN][VSTRIDE];
-  __nv_bfloat16 p[STAGES][ROWS][PSTRIDE];
-  float alpha[STAGES][ROWS];
+  __nv_bfloat16 p[PS][ROWS][PSTRIDE];
+  float alpha[PS][ROWS];
   float l[ROWS];
-  unsigned long long p_full[STAGES], fin;
+  unsigned long long p_full[PS], fin;
 };
 constexpr int SMEM = sizeof(ProducerSmem) > sizeof(ConsumerSmem) ? sizeof(ProducerSmem) : sizeof(ConsumerSmem);
 
@@ -116,11 +121,13 @@ __device__ __forceinline__ int ring_start(__nv_bfloat16 (*ring)[BN][STRIDE], con
 }
 // Tile t: waits until it has landed and every thread is past tile t - 1, refills that stage with tile
 // t + STAGES - 1 (`slot_next`, read a tile earlier), and reads the slot id of the tile after it.
-template <int WIDTH, int STRIDE>
+template <int WIDTH, int STRIDE, typename AfterWait>
 __device__ __forceinline__ void ring_step(__nv_bfloat16 (*ring)[BN][STRIDE], const __nv_bfloat16* pool,
-                                          const int* slots, int ntiles, int t, int& slot_next, bool on) {
+                                          const int* slots, int ntiles, int t, int& slot_next, bool on,
+                                          AfterWait after_wait) {
   vmla::cp_async_wait<STAGES - 2>();
   __syncthreads();
+  after_wait();  // before the refill is issued (the consumer frees its P stage here: the scorer waits on it)
   if (on && t + STAGES - 1 < ntiles) gather_rows<WIDTH, STRIDE>(ring[(t + STAGES - 1) % STAGES], pool, slot_next);
   vmla::cp_async_commit();
   slot_next = slot_of(slots, t + STAGES, ntiles);
@@ -157,7 +164,7 @@ __device__ void producer(ProducerSmem& sm, const __nv_bfloat16* q, const __nv_bf
 #pragma unroll 1
   for (int t = 0; t < ntiles; ++t) {
     const int s = t % STAGES;
-    ring_step<DIM, KSTRIDE>(sm.k, pool, slots, ntiles, t, slot_next, true);
+    ring_step<DIM, KSTRIDE>(sm.k, pool, slots, ntiles, t, slot_next, true, [] {});
     float c[ACC][MT][2][4] = {};  // [..][ni]: NT of the 2 used
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
@@ -217,8 +224,9 @@ __device__ void producer(ProducerSmem& sm, const __nv_bfloat16* q, const __nv_bf
     }
     __syncthreads();
     if (dh == 0) {
-      if (t >= STAGES && PROBE_ROLE_ONLY == 0) mbar_wait(&sm.p_empty[s], (t / STAGES - 1) & 1);  // tile t - STAGES's P is free
-      const uint32_t full = in_cta(&peer.p_full[s], 1);
+      const int ps = t % PS;
+      if (t >= PS && PROBE_ROLE_ONLY == 0) mbar_wait(&sm.p_empty[ps], (t / PS - 1) & 1);  // tile t - PS's P is free
+      const uint32_t full = in_cta(&peer.p_full[ps], 1);
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -232,11 +240,11 @@ __device__ void producer(ProducerSmem& sm, const __nv_bfloat16* q, const __nv_bf
             const float p0 = exp2f(sc[mi][ni][2 * h] * scale_log2 - m_new);
             const float p1 = exp2f(sc[mi][ni][2 * h + 1] * scale_log2 - m_new);
             sum += p0 + p1;
-            if (PROBE_ROLE_ONLY == 0) st_async(in_cta(&peer.p[s][row][kh * KW + ni * 8 + 2 * tq], 1), pack_bf16(p0, p1), full);
+            if (PROBE_ROLE_ONLY == 0) st_async(in_cta(&peer.p[ps][row][kh * KW + ni * 8 + 2 * tq], 1), pack_bf16(p0, p1), full);
           }
           l_run[mi][h] = l_run[mi][h] * alpha + sum;
           m_run[mi][h] = m_new;
-          if (kh == 0 && tq == 0 && PROBE_ROLE_ONLY == 0) st_async(in_cta(&peer.alpha[s][row], 1), __float_as_uint(alpha), full);
+          if (kh == 0 && tq == 0 && PROBE_ROLE_ONLY == 0) st_async(in_cta(&peer.alpha[ps][row], 1), __float_as_uint(alpha), full);
         }
     }
   }
@@ -306,8 +314,9 @@ __device__ void producer_pingpong(ProducerSmem& sm, const __nv_bfloat16* q, cons
         vmla::mma_bf16(c[ks % 2][2 * np], qf[ks], b[0], b[1]);
         vmla::mma_bf16(c[ks % 2][2 * np + 1], qf[ks], b[2], b[3]);
       }
-    if (t >= STAGES && PROBE_ROLE_ONLY == 0) mbar_wait(&sm.p_empty[s], (t / STAGES - 1) & 1);
-    const uint32_t full = in_cta(&peer.p_full[s], 1);
+    const int ps = t % PS;
+    if (t >= PS && PROBE_ROLE_ONLY == 0) mbar_wait(&sm.p_empty[ps], (t / PS - 1) & 1);
+    const uint32_t full = in_cta(&peer.p_full[ps], 1);
     if (PROBE_FWD_V) {  // this tile's V into the consumer's stage s, 16 B at a time, before the stage is refilled
 #pragma unroll 4
       for (int i = gtid; i < BN * VDIM / 8; i += GT) {
@@ -338,7 +347,7 @@ __device__ void producer_pingpong(ProducerSmem& sm, const __nv_bfloat16* q, cons
       for (int ni = 0; ni < 4; ++ni) {
         const float p0 = exp2f(c[0][ni][2 * h] * scale_log2 - m_new), p1 = exp2f(c[0][ni][2 * h + 1] * scale_log2 - m_new);
         sum += p0 + p1;
-        if (PROBE_ROLE_ONLY == 0) st_async(in_cta(&peer.p[s][row][ni * 8 + 2 * tq], 1), pack_bf16(p0, p1), full);
+        if (PROBE_ROLE_ONLY == 0) st_async(in_cta(&peer.p[ps][row][ni * 8 + 2 * tq], 1), pack_bf16(p0, p1), full);
       }
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
@@ -346,7 +355,7 @@ __device__ void producer_pingpong(ProducerSmem& sm, const __nv_bfloat16* q, cons
       __syncwarp();  // every lane of the row has read the state before one writes it
       if (tq == 0) {
         sm.state_m[row] = m_new, sm.state_l[row] = l_new;
-        if (PROBE_ROLE_ONLY == 0) st_async(in_cta(&peer.alpha[s][row], 1), __float_as_uint(alpha), full);
+        if (PROBE_ROLE_ONLY == 0) st_async(in_cta(&peer.alpha[ps][row], 1), __float_as_uint(alpha), full);
       }
     }
     if (t + 1 < ntiles) asm volatile("bar.arrive %0, %1;" ::"r"(1 + grp), "n"(THREADS) : "memory");  // hand it on
@@ -364,15 +373,17 @@ __device__ void consumer(ConsumerSmem& sm, const __nv_bfloat16* pool, const int*
 #pragma unroll 1
   for (int t = 0; t < ntiles; ++t) {
     const int s = t % STAGES;
-    ring_step<VDIM, VSTRIDE>(sm.v, pool, slots, ntiles, t, slot_next, !PROBE_FWD_V);  // (every thread done with t - 1)
-    if (threadIdx.x == 0 && PROBE_ROLE_ONLY == 0) {
-      if (t > 0) mbar_arrive_cluster(in_cta(&peer.p_empty[(t - 1) % STAGES], 0));
-      mbar_expect_tx(&sm.p_full[s], P_TX);
-    }
-    if (PROBE_ROLE_ONLY == 0) mbar_wait(&sm.p_full[s], (t / STAGES) & 1);
+    ring_step<VDIM, VSTRIDE>(sm.v, pool, slots, ntiles, t, slot_next, !PROBE_FWD_V, [&] {
+      if (threadIdx.x == 0 && PROBE_ROLE_ONLY == 0) {  // every thread is done with tile t - 1's P
+        if (t > 0) mbar_arrive_cluster(in_cta(&peer.p_empty[(t - 1) % PS], 0));
+        mbar_expect_tx(&sm.p_full[t % PS], P_TX);
+      }
+    });
+    const int ps = t % PS;
+    if (PROBE_ROLE_ONLY == 0) mbar_wait(&sm.p_full[ps], (t / PS) & 1);
 #pragma unroll
     for (int mi = 0; mi < 4; ++mi) {
-      const float a0 = sm.alpha[s][mi * 16 + g], a1 = sm.alpha[s][mi * 16 + g + 8];
+      const float a0 = sm.alpha[ps][mi * 16 + g], a1 = sm.alpha[ps][mi * 16 + g + 8];
 #pragma unroll
       for (int ni = 0; ni < 8; ++ni) acc[mi][ni][0] *= a0, acc[mi][ni][1] *= a0, acc[mi][ni][2] *= a1, acc[mi][ni][3] *= a1;
     }
@@ -380,7 +391,7 @@ __device__ void consumer(ConsumerSmem& sm, const __nv_bfloat16* pool, const int*
     for (int kk = 0; kk < BN / 16; ++kk) {
       uint32_t pa[4][4];
 #pragma unroll
-      for (int mi = 0; mi < 4; ++mi) vmla::ldmatrix_x4(pa[mi], &sm.p[s][mi * 16 + lane % 16][kk * 16 + (lane / 16) * 8]);
+      for (int mi = 0; mi < 4; ++mi) vmla::ldmatrix_x4(pa[mi], &sm.p[ps][mi * 16 + lane % 16][kk * 16 + (lane / 16) * 8]);
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t vb[4];
@@ -418,10 +429,10 @@ extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS)
   if (threadIdx.x == 0) {
     if (rank == 0) {
       auto& sm = *reinterpret_cast<ProducerSmem*>(smem);
-      for (int s = 0; s < STAGES; ++s) mbar_init(&sm.p_empty[s], 1);
+      for (int s = 0; s < PS; ++s) mbar_init(&sm.p_empty[s], 1);
     } else {
       auto& sm = *reinterpret_cast<ConsumerSmem*>(smem);
-      for (int s = 0; s < STAGES; ++s) mbar_init(&sm.p_full[s], 1);
+      for (int s = 0; s < PS; ++s) mbar_init(&sm.p_full[s], 1);
       mbar_init(&sm.fin, 1);
     }
     vmla::mbar_fence_init();

@@ -47,6 +47,9 @@ PARTS = {  # name -> -D switches of a timing build
     "ping-pong producer alone": ("-DPROBE_PINGPONG=1", "-DPROBE_ROLE_ONLY=1"),
     "ping-pong producer alone, no loads": ("-DPROBE_PINGPONG=1", "-DPROBE_ROLE_ONLY=1", "-DPROBE_SKIP_LOAD=1"),
     "ping-pong, no loads": ("-DPROBE_PINGPONG=1", "-DPROBE_SKIP_LOAD=1"),
+    "ping-pong, 4 P stages": ("-DPROBE_PINGPONG=1", "-DPROBE_PSTAGES=4"),
+    "ping-pong, 4 P stages, no loads": ("-DPROBE_PINGPONG=1", "-DPROBE_PSTAGES=4", "-DPROBE_SKIP_LOAD=1"),
+    "scorer on all dims, 4 P stages": ("-DPROBE_DSPLIT=1", "-DPROBE_PSTAGES=4"),
     "ping-pong, V forwarded": ("-DPROBE_PINGPONG=1", "-DPROBE_FWD_V=1"),
     "ping-pong, V forwarded, producer alone": ("-DPROBE_PINGPONG=1", "-DPROBE_FWD_V=1", "-DPROBE_ROLE_ONLY=1"),
 }
