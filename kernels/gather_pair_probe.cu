@@ -10,9 +10,7 @@
 //   gather_pair_cp_S  a cluster of 2: each CTA's 16 rows by the kernel's 16-byte cp.async (128 of the waiting
 //                     threads, 8 a row; their completion tracked by the stage's mbarrier), forwarded as in
 //                     gather_pair_fwd_S.
-// On sm_120 NVRTC 13.0 turns the multicast and a global copy into another CTA's shared memory into a call to a
-// software routine (CALL.ABS in the SASS); the shared-to-shared copy is an instruction (UBLKCP.S.S), so the
-// forward is the form sm_120 can run. A stage is reused once both CTAs have waited for it (an `empty` mbarrier
+// Of the pair forms only the forward maps to instructions on sm_120 (docs/kernel-design.md). A stage is reused once both CTAs have waited for it (an `empty` mbarrier
 // of count 2, one arrival from each). Each waiting thread XORs one word of every tile it saw land into `out`;
 // `stamps` gets each CTA's %globaltimer at start and end (waves show as CTAs that start after others end).
 #include <cuda_bf16.h>
