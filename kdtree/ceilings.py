@@ -25,13 +25,15 @@ GATHERS = {"gather_l2": (4, 1 << 13), "gather_l2_2stages": (2, 1 << 13), "gather
 GATHER_TILES = 1024  # tiles a block gathers a launch (even; ~4.9 GB on 132 SMs: the pool's first touch is noise)
 
 
-def _module(source):
+def cupy_module(source, *defines: str):
+    """`source` (a kernels/ file) JIT-compiled by CuPy for this GPU, with the kernels' include path and `defines`."""
     import cupy
 
-    return cupy.RawModule(code=source.read_text(), options=("-std=c++17", f"-I{KERNEL_DIR}"))
+    return cupy.RawModule(code=source.read_text(), options=("-std=c++17", f"-I{KERNEL_DIR}", *defines))
 
 
-def _stream():
+def torch_stream():
+    """torch's current stream as a CuPy stream, so the microkernels queue behind torch's work."""
     import cupy
 
     return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
@@ -39,11 +41,11 @@ def _stream():
 
 def mma_sync_ceilings(do_bench) -> dict:
     """{"mma_sync_raw_tflops": ..., "mma_sync_ldmatrix_tflops": ...}, each from `do_bench`'s time of one launch."""
-    module = _module(SOURCE)
+    module = cupy_module(SOURCE)
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     grid = sms * BLOCKS_PER_SM
     out = torch.empty(grid * THREADS, device="cuda")
-    stream = _stream()
+    stream = torch_stream()
     result = {}
     for name, mmas in KERNELS.items():
         fn = module.get_function(name)
@@ -64,7 +66,7 @@ def mma_sync_ceilings(do_bench) -> dict:
 def gather_ceilings(do_bench) -> dict:
     """{"gather_l2_tbps": ..., "gather_l2_2stages_tbps": ..., "gather_hbm_tbps": ...}: bytes landed in shared
     memory a second, each from `do_bench`'s time of one launch (one block an SM)."""
-    module, stream = _module(GATHER_SOURCE), _stream()
+    module, stream = cupy_module(GATHER_SOURCE), torch_stream()
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     out = torch.empty(sms * THREADS, dtype=torch.int32, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)

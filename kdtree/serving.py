@@ -153,15 +153,16 @@ class ServingPath:
         new = lambda *size: torch.empty(*size, dtype=torch.int32, device=dev)  # noqa: E731
         return None, new(bs + 1), new(bs + 1), new(kv_capacity), new(bs), new(bs * n, words)
 
+    def _plan_shape(self, bs: int, n: int, num_heads: int) -> PlanShape:
+        return PlanShape(bs, n, num_heads, self.config, self.grid, self.kernel.l2_bytes)
+
     def _new_plan_graph(self, bs: int, n: int, num_heads: int, words: int, dev) -> PlanGraph | None:
         """A plan graph for the shape, or None from now on if one cannot be captured here (the plan then runs op
         by op: slower on the host, the same bits)."""
         try:
             if self._plan_pool is None:
                 self._plan_pool = torch.cuda.graph_pool_handle()
-            return PlanGraph(
-                PlanShape(bs, n, num_heads, self.config, self.grid, self.kernel.l2_bytes), words, dev, self._plan_pool
-            )
+            return PlanGraph(self._plan_shape(bs, n, num_heads), words, dev, self._plan_pool)
         except Exception as e:  # noqa: BLE001 - graphs are an optimisation
             self.use_plan_graphs = False
             self.plan_graph_error = f"{type(e).__name__}: {e}"
@@ -256,13 +257,7 @@ class ServingPath:
             logit_cap=0.0,
         )
         if graph is None:  # inside a capture: recorded into the server's graph, with a workspace of its own
-            plan = plan_on_device(
-                qo,
-                combined_indptr,
-                prefix_lens,
-                tree_mask,
-                PlanShape(bs, n, num_heads, self.config, self.grid, self.kernel.l2_bytes),
-            )
+            plan = plan_on_device(qo, combined_indptr, prefix_lens, tree_mask, self._plan_shape(bs, n, num_heads))
             return PreparedStep(args, plan, Workspace.for_plan(plan, dev))
         plan = graph.replay()
         workspace = self._workspace.get(dev)

@@ -48,7 +48,6 @@ namespace {
 #define PROBE_STAGES 2  // each role's cp.async ring (and the P ring): tiles in flight + 1
 #endif
 constexpr int ROWS = 64, BN = PROBE_BN, DIM = 576, VDIM = 512, STAGES = PROBE_STAGES, THREADS = 256;
-constexpr int TPR = THREADS / BN;  // gather threads a pool row
 static_assert((BN == 16 || BN == 32) && (PROBE_DSPLIT == 1 || BN == 32), "16-key tiles take the all-dims producer");
 constexpr int KSTRIDE = DIM + 8, VSTRIDE = VDIM + 8, PSTRIDE = BN + 8;  // +16 B: conflict-free ldmatrix rows
 constexpr int P_TX = ROWS * BN * 2 + ROWS * 4 + (PROBE_FWD_V ? BN * VDIM * 2 : 0);  // P, the rescale factors (and V)
@@ -98,19 +97,30 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// BN pool rows (their first WIDTH dims) into dst rows of STRIDE, TPR threads a row; `slot` is this thread's row's
-// slot id, read a tile earlier (a slot id read just before its copies would stall the warp for its latency).
-template <int WIDTH, int STRIDE>
-__device__ __forceinline__ void gather_rows(__nv_bfloat16 (*dst)[STRIDE], const __nv_bfloat16* pool, int slot) {
+// BN pool rows (their first WIDTH dims) into dst rows of STRIDE by N threads (`tid` of them), N / BN a row; `slot`
+// is this thread's row's slot id, read a tile earlier (a slot id read just before its copies would stall the warp
+// for its latency).
+template <int WIDTH, int STRIDE, int N = THREADS>
+__device__ __forceinline__ void gather_rows(__nv_bfloat16 (*dst)[STRIDE], const __nv_bfloat16* pool, int slot,
+                                            int tid = threadIdx.x) {
+  constexpr int PER_ROW = N / BN;
   if (PROBE_SKIP_LOAD) return;
-  const int r = threadIdx.x / TPR, j = threadIdx.x % TPR;
+  const int r = tid / PER_ROW, j = tid % PER_ROW;
   const __nv_bfloat16* src = pool + static_cast<int64_t>(slot) * DIM;
 #pragma unroll
-  for (int i = 0; i < (WIDTH / 8 + TPR - 1) / TPR; ++i)
-    if (j + TPR * i < WIDTH / 8) vmla::cp_async_16(&dst[r][(j + TPR * i) * 8], src + (j + TPR * i) * 8, true);
+  for (int i = 0; i < (WIDTH / 8 + PER_ROW - 1) / PER_ROW; ++i)
+    if (j + PER_ROW * i < WIDTH / 8) vmla::cp_async_16(&dst[r][(j + PER_ROW * i) * 8], src + (j + PER_ROW * i) * 8, true);
 }
-__device__ __forceinline__ int slot_of(const int* slots, int tile, int ntiles) {  // this thread's row of `tile`
-  return tile < ntiles ? slots[tile * BN + threadIdx.x / TPR] : 0;
+template <int N = THREADS>  // the slot id of thread `tid`'s row of `tile`, in gather_rows<.., N>'s split
+__device__ __forceinline__ int slot_of(const int* slots, int tile, int ntiles, int tid = threadIdx.x) {
+  return tile < ntiles ? slots[tile * BN + tid / (N / BN)] : 0;
+}
+// A thread's m16n8k16 A fragment of one k16 step of Q: `row0` is its row g at its first dim (2 tq of the step).
+__device__ __forceinline__ void q_fragment(uint32_t (&f)[4], const __nv_bfloat16* row0) {
+  f[0] = *reinterpret_cast<const uint32_t*>(row0);
+  f[1] = *reinterpret_cast<const uint32_t*>(row0 + 8 * DIM);
+  f[2] = *reinterpret_cast<const uint32_t*>(row0 + 8);
+  f[3] = *reinterpret_cast<const uint32_t*>(row0 + 8 * DIM + 8);
 }
 
 // The first STAGES - 1 tiles' rows (their first WIDTH dims) into `ring`; returns this thread's slot id of the next.
@@ -151,14 +161,8 @@ __device__ void producer(ProducerSmem& sm, const __nv_bfloat16* q, const __nv_bf
 #pragma unroll
   for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      const __nv_bfloat16* row0 = q + (rg * GROUP + mi * 16 + g) * DIM + dh * (DIM / DS) + ks * 16 + 2 * tq;
-      const __nv_bfloat16* row1 = row0 + 8 * DIM;
-      qf[mi][ks][0] = *reinterpret_cast<const uint32_t*>(row0);
-      qf[mi][ks][1] = *reinterpret_cast<const uint32_t*>(row1);
-      qf[mi][ks][2] = *reinterpret_cast<const uint32_t*>(row0 + 8);
-      qf[mi][ks][3] = *reinterpret_cast<const uint32_t*>(row1 + 8);
-    }
+    for (int ks = 0; ks < KS; ++ks)
+      q_fragment(qf[mi][ks], q + (rg * GROUP + mi * 16 + g) * DIM + dh * (DIM / DS) + ks * 16 + 2 * tq);
   float m_run[MT][2], l_run[MT][2];
 #pragma unroll
   for (int mi = 0; mi < MT; ++mi)
@@ -276,29 +280,17 @@ __device__ void producer(ProducerSmem& sm, const __nv_bfloat16* q, const __nv_bf
 __device__ void producer_pingpong(ProducerSmem& sm, const __nv_bfloat16* q, const __nv_bfloat16* pool,
                                   const int* slots, int ntiles, float scale_log2) {
   static_assert(!PROBE_PINGPONG || (BN == 32 && STAGES == 2), "a group a stage of 32 keys");
-  constexpr int KS = DIM / 16, GT = 128, GTPR = GT / BN;  // k16 steps; a group's threads, its threads a pool row
+  constexpr int KS = DIM / 16, GT = 128;  // k16 steps; a group's threads
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
   const int grp = warp / 4, rw = warp % 4, gtid = threadIdx.x % GT;
   ConsumerSmem& peer = reinterpret_cast<ConsumerSmem&>(sm);
   uint32_t qf[KS][4];
 #pragma unroll
-  for (int ks = 0; ks < KS; ++ks) {
-    const __nv_bfloat16* row0 = q + (rw * 16 + g) * DIM + ks * 16 + 2 * tq;
-    qf[ks][0] = *reinterpret_cast<const uint32_t*>(row0);
-    qf[ks][1] = *reinterpret_cast<const uint32_t*>(row0 + 8 * DIM);
-    qf[ks][2] = *reinterpret_cast<const uint32_t*>(row0 + 8);
-    qf[ks][3] = *reinterpret_cast<const uint32_t*>(row0 + 8 * DIM + 8);
-  }
-  auto gather = [&](int t, int slot) {  // tile t into stage grp by the group's 128 threads, 4 a row
-    if (PROBE_SKIP_LOAD) return;
-    const int r = gtid / GTPR, j = gtid % GTPR;
-    const __nv_bfloat16* src = pool + static_cast<int64_t>(slot) * DIM;
-#pragma unroll
-    for (int i = 0; i < DIM / 8 / GTPR; ++i) vmla::cp_async_16(&sm.k[grp][r][(j + GTPR * i) * 8], src + (j + GTPR * i) * 8, true);
-  };
-  auto slot = [&](int t) { return t < ntiles ? slots[t * BN + gtid / GTPR] : 0; };
+  for (int ks = 0; ks < KS; ++ks) q_fragment(qf[ks], q + (rw * 16 + g) * DIM + ks * 16 + 2 * tq);
+  auto gather = [&](int slot) { gather_rows<DIM, KSTRIDE, GT>(sm.k[grp], pool, slot, gtid); };  // the group's stage
+  auto slot = [&](int t) { return slot_of<GT>(slots, t, ntiles, gtid); };
   auto group_sync = [&]() { asm volatile("bar.sync %0, %1;" ::"r"(3 + grp), "n"(GT) : "memory"); };
-  if (grp < ntiles) gather(grp, slot(grp));
+  if (grp < ntiles) gather(slot(grp));
   vmla::cp_async_commit();
   int slot_next = slot(grp + 2);
   if (threadIdx.x < ROWS) sm.state_m[threadIdx.x] = -__int_as_float(0x7f800000), sm.state_l[threadIdx.x] = 0.f;
@@ -330,7 +322,7 @@ __device__ void producer_pingpong(ProducerSmem& sm, const __nv_bfloat16* q, cons
       }
     }
     group_sync();  // the group is done reading its stage: the tile two ahead goes into it
-    if (t + 2 < ntiles) gather(t + 2, slot_next);
+    if (t + 2 < ntiles) gather(slot_next);
     vmla::cp_async_commit();
     slot_next = slot(t + 4);
     if (t > 0) asm volatile("bar.sync %0, %1;" ::"r"(1 + (grp ^ 1)), "n"(THREADS) : "memory");  // tile t-1's state

@@ -19,10 +19,11 @@ import numpy as np
 import torch
 import triton.testing
 
+from kdtree.ceilings import GATHER_SOURCE, cupy_module, torch_stream
 from kdtree.kernel.config import KERNEL_DIR, POOL_ROW_BYTES
 from kdtree.kernel.launch import sm90a_module
 
-SOURCE, CEILING = KERNEL_DIR / "gather_pair_probe.cu", KERNEL_DIR / "gather_ceiling.cu"
+SOURCE = KERNEL_DIR / "gather_pair_probe.cu"
 ROWS, WORDS = 32, POOL_ROW_BYTES // 4
 POOLS = {"l2": 1 << 13, "hbm": 1 << 22}  # pool rows: 9.4 MB (L2-resident), 4.8 GB
 MODES = {  # name -> (entry, threads, CTAs that read each tile's rows together)
@@ -54,10 +55,10 @@ def main() -> None:
     ap.add_argument("--tiles", type=int, default=1024)
     a = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count // 2 * 2
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    stream = torch_stream()
     opts = ("-std=c++17", f"-I{KERNEL_DIR}")
     probe = sm90a_module(cupy, SOURCE, opts, "gather_bulk_2")
-    ceiling = cupy.RawModule(code=CEILING.read_text(), options=opts)
+    ceiling = cupy_module(GATHER_SOURCE)
     out = torch.empty(sms * 256, dtype=torch.int32, device="cuda")
     stamps = torch.zeros(sms * 2, dtype=torch.int64, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -19,13 +19,12 @@ from pathlib import Path
 
 os.environ.setdefault("KDTREE_KERNEL_TARGET", "sm_120")  # the verify kernel's sm_120 configuration, the baseline
 
-import cupy  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
 from kdtree import bench  # noqa: E402
-from kdtree.ceilings import mma_sync_ceilings  # noqa: E402
+from kdtree.ceilings import cupy_module, mma_sync_ceilings, torch_stream  # noqa: E402
 from kdtree.kernel import VerifyKernel  # noqa: E402
 from kdtree.kernel.config import KERNEL_DIR  # noqa: E402
 
@@ -77,10 +76,10 @@ def main() -> None:
         raise SystemExit(f"--keys must be a multiple of 32, got {a.keys}")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     clusters = sms // 2
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    stream = torch_stream()
 
     def build(defines=()):
-        module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17", f"-I{KERNEL_DIR}", *defines))
+        module = cupy_module(SOURCE, *defines)
         size = torch.zeros(1, dtype=torch.int32, device="cuda")
         with stream:
             module.get_function("pair_verify_smem_bytes")((1, 1, 1), (1, 1, 1), (np.uint64(size.data_ptr()),))
