@@ -322,6 +322,13 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   __syncthreads();      // the next segment reuses every shared buffer
 }
 
+// A plan entry loaded where it is used, not held across a segment (the 64-key-block body has no register to spare).
+__device__ __forceinline__ int plan_entry(const int* p, int i) {
+  int v;
+  asm volatile("ld.global.nc.s32 %0, [%1];\n" : "=r"(v) : "l"(p + i));
+  return v;
+}
+
 // Persistent stream-K grid: block c takes work units [cta_unit_start[c], cta_unit_start[c + 1]) of the list of
 // (row tile, key tile) units; row tile rt owns units [rt_unit_start[rt], rt_unit_start[rt + 1]).
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, VMLA_BLOCKS_PER_SM)
@@ -344,27 +351,30 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
   BlockSmem& sm = *reinterpret_cast<BlockSmem*>(smem_raw + (SMEM_ALIGN ? (SMEM_ALIGN - smem_addr(smem_raw) % SMEM_ALIGN) % SMEM_ALIGN : 0));
   const Args a{q, kv_buffer, qo_indptr, kv_indptr, kv_indices, prefix_lens, tree_mask, mask_words, num_heads,
                sm_scale, logit_cap, o, lse};
-  const int c = blockIdx.x;
-  int u = cta_unit_start[c];
-  const int u_end = cta_unit_start[c + 1];
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // verify_mla_merge may launch now (it waits)
 #endif
   VMLA_MARK(-1);
   VMLA_MARK(VMLA_MARK_START);
-  for (int rt = cta_first_rt[c]; u < u_end; ++rt) {
+  // units [u, u_hi) of row tiles rt, rt + 1, ...: first the block's last segment, then the units before it
+  int rt = cta_first_rt[blockIdx.x], u = cta_unit_start[blockIdx.x], u_hi = cta_unit_start[blockIdx.x + 1];
+  if (VMLA_LAST_SEGMENT_FIRST && u < u_hi) {
+    while (rt_unit_start[rt + 1] < u_hi) ++rt;
+    u = max(u, rt_unit_start[rt]);
+  }
+  while (u < u_hi) {
     const int t0 = rt_unit_start[rt], t1 = rt_unit_start[rt + 1];
-    const int seg_end = min(u_end, t1);
+    const int seg_begin = u, seg_end = min(u_hi, t1);
     const int b = rt_request[rt];
     const int kv_len = a.kv_indptr[b + 1] - a.kv_indptr[b];
-    const int k_begin = (u - t0) * VMLA_BN, k_end = min(kv_len, (seg_end - t0) * VMLA_BN);
+    const int k_begin = (seg_begin - t0) * VMLA_BN, k_end = min(kv_len, (seg_end - t0) * VMLA_BN);
     const int segments = rt_seg_base[rt + 1] - rt_seg_base[rt];
     VMLA_MARK(0);
     float* out_o = nullptr;
     float* out_lse = nullptr;
     TileMerge merge{nullptr, segments, nullptr, nullptr};
     if (segments > 1) {
-      const int64_t base = rt_seg_base[rt], slot = base + (c - rt_first_cta[rt]);
+      const int64_t base = rt_seg_base[rt], slot = base + (static_cast<int>(blockIdx.x) - rt_first_cta[rt]);
       out_o = part_o + slot * VMLA_BM * VMLA_VDIM;
       out_lse = part_lse + slot * VMLA_BM;
       if (rt_counter != nullptr) merge = {rt_counter + rt, segments, part_o + base * VMLA_BM * VMLA_VDIM, part_lse + base * VMLA_BM};
@@ -386,9 +396,15 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
 #else
     verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge);
 #endif
-    u = seg_end;
     VMLA_MARK(4);
     VMLA_MARK(-2);  // next segment
+    const int c = blockIdx.x;
+    if (VMLA_LAST_SEGMENT_FIRST && u_hi == plan_entry(cta_unit_start, c + 1) && seg_begin > plan_entry(cta_unit_start, c)) {
+      u_hi = seg_begin;  // the last segment is done: the units before it, from the block's first
+      u = plan_entry(cta_unit_start, c), rt = plan_entry(cta_first_rt, c);
+    } else {
+      u = seg_end, ++rt;
+    }
   }
   VMLA_MARK(VMLA_MARK_END);
 }

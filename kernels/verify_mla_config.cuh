@@ -63,6 +63,11 @@
 #define VMLA_FEW_ROWS 0  // wgmma body: row tiles of at most this many rows (<= 16) run the mma.sync few-row
                          // segment (verify_segment_few) instead of a 64-row wgmma tile; 0: none
 #endif
+#ifndef VMLA_LAST_SEGMENT_FIRST
+#define VMLA_LAST_SEGMENT_FIRST 1  // a block runs its last segment (the head of a row tile, from key 0) first, then
+                                   // the others in order, so a request's blocks read its keys together and they stay
+                                   // in L2 (0: in unit order); same bits
+#endif
 #ifndef VMLA_FUSED_MERGE_SEGS
 #define VMLA_FUSED_MERGE_SEGS 4  // split row tiles of at most this many partials may be merged by their last block
 #endif

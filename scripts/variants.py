@@ -30,8 +30,21 @@ SKIPS = {
     "all": ["QK", "PV", "SOFTMAX", "LOAD"],
 }
 WGMMA_SKIPS = SKIPS | {"exchange": ["EXCHANGE"], "load_mma": ["LOAD", "QK", "PV"], "all": SKIPS["all"] + ["EXCHANGE"]}
-# name -> (configuration, plan options)
+
+
+def in_unit_order(configs: tuple[KernelConfig, ...]) -> tuple[KernelConfig, ...]:
+    """The configurations built to run each block's segments in unit order (VMLA_LAST_SEGMENT_FIRST=0)."""
+    return tuple(c.with_defines(["VMLA_LAST_SEGMENT_FIRST=0"]) for c in configs)
+
+
+# name -> (configuration, or the candidates the cost model picks from per batch ("_choose"), plan options)
 VARIANTS = {
+    # what `kdtree bench` runs: the Hopper candidates and the sm_120 configuration, planned by choose_plan; and the
+    # same kernels with each block's segments in unit order
+    "hopper": (KernelConfig.candidates("sm_90"), {"_choose": True}),
+    "hopper_in_order": (in_unit_order(KernelConfig.candidates("sm_90")), {"_choose": True}),
+    "sm120": ((KernelConfig(),), {"_choose": True}),
+    "sm120_in_order": (in_unit_order((KernelConfig(),)), {"_choose": True}),
     "bm32_regs": (KernelConfig(), {}),  # sm_120's configuration
     "bm64_r2k1": (KernelConfig(**BM64), {}),  # sm_90's configuration
     "bm64_16warps": (KernelConfig(**(BM64 | dict(warps=16, khalves=2))), {}),  # 128 registers each: spills
@@ -140,7 +153,10 @@ def main():
                 kern = VerifyKernel.get(config)
                 pdl = pdl_available() if pdl is None else pdl
                 k = plan_opts.pop("_tiles_a_block", None)
-                p = plan(args, H, kern.num_sms, config, **plan_opts)
+                if plan_opts.pop("_choose", False):
+                    p = kern.plan(args, H)
+                else:
+                    p = plan(args, H, kern.num_sms, config, **plan_opts)
                 if k is not None:
                     p = plan(args, H, kern.num_sms, config, **plan_opts, grid=-(-p.row_tiles // k))
                 p = p.to("cuda")
@@ -159,13 +175,14 @@ def main():
                 rows.setdefault(case.name, {})[name] = {
                     "rel_vs_first": rel,
                     "ms_runs": [],
-                    "regs": kern.resources()["registers"],
-                    "local": kern.resources()["local_bytes"],
+                    "regs": kern.compiled(p.config)[1].attributes["num_regs"],
+                    "local": kern.compiled(p.config)[1].attributes["local_size_bytes"],
                     "grid": p.grid,
                     "units": p.units,
                     "work": p.work,
                     "segments": p.segments,
                     "fused": p.fused_merge,
+                    "body": f"{p.config.bm}{'/b64' if p.config.wg_blocks64 else ''}{'+few' if p.config.few_row_limit else ''}",
                 }
             except Exception as e:  # noqa: BLE001
                 rows.setdefault(case.name, {})[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -181,7 +198,7 @@ def main():
             print(
                 f"   {name:14s} "
                 + (
-                    f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s rel {r['rel_vs_first']:.1e} regs {r['regs']} local {r['local']} B grid {r['grid']} segments {r['segments']} runs {'/'.join(f'{x:.4f}' for x in r['ms_runs'])}"
+                    f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s rel {r['rel_vs_first']:.1e} regs {r['regs']} local {r['local']} B grid {r['grid']} segments {r['segments']} body {r['body']} runs {'/'.join(f'{x:.4f}' for x in r['ms_runs'])}"
                     if "ms" in r
                     else r["error"]
                 )

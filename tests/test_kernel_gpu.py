@@ -3,6 +3,7 @@
 Skipped (with the reason) where there is no CUDA GPU; `make test-gpu` runs them on one.
 """
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -235,6 +236,49 @@ def test_restructured_loops_give_the_same_bits(target):
         for kern in kernels[1:]:
             o2, l2 = kern.run(args, q, pool)
             assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)) and torch.equal(l1, l2), kern.config
+
+
+@pytest.mark.parametrize("body", ["sm_120-config", "wgmma+few", "wgmma-blocks64"])
+def test_the_order_of_a_blocks_segments_changes_no_bits(body):
+    """A block runs its last segment first (`KernelConfig.last_segment_first`): the sm_120 configuration and the
+    two Hopper configurations the bench cases run, each on its plans at the full grid (tiles split across
+    blocks; the fused merge on the mma.sync body, the merge kernel on wgmma), give the bits of the same kernel
+    built to run its segments in unit order - on every shipped capture, fuzz batches and a batch whose blocks
+    each work on two row tiles. The outputs start poisoned, so a segment left out shows."""
+    from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, device_arch, plan
+
+    hopper = KernelConfig.candidates("sm_90")
+    config = {"sm_120-config": KernelConfig(), "wgmma+few": hopper[0], "wgmma-blocks64": hopper[1]}[body]
+    assert config.wg_blocks64 == (body == "wgmma-blocks64")
+    if config.wgmma and device_arch() != "sm_90":
+        pytest.skip(f"the wgmma segment needs Hopper (sm_90), this GPU is {device_arch()}")
+    caps = [load(p) for p in SHIPPED] + [synthesize(fuzz_spec(s), device="cuda", reference=False) for s in range(1, 40, 6)]
+    caps.append(
+        synthesize(
+            SynthSpec(preset="deepseek-v3-tp8", batch_size=2, prefix_lens=[2000], budget=256, seed=2),
+            device="cuda",
+            reference=False,
+        )
+    )
+    reordered = 0
+    kernels = [VerifyKernel.get(c) for c in (config, config.with_defines(["VMLA_LAST_SEGMENT_FIRST=0"]))]
+    for cap in caps:
+        lid = cap.meta.layer_ids[0]
+        host_args = marshal(cap)
+        args, q, pool = host_args.to("cuda"), cap.layer(lid).q.cuda(), cap.pool(lid, "cuda")
+        T, H = cap.num_tokens, cap.meta.num_heads
+        p = plan(host_args, H, kernels[0].num_sms, config)
+        reordered += int((p.block_segments > 1).any())
+        outs = []
+        for kern in kernels:
+            kp = dataclasses.replace(p, config=kern.config).to("cuda")
+            kern.compiled(kern.config)
+            o, lse = poisoned((T, H, 512), "cuda"), torch.empty(T, H, device="cuda")
+            kern.launch(kp, args, q, pool, o, lse, Workspace.for_plan(kp))
+            outs.append((o, lse))
+        (o1, l1), (o2, l2) = outs
+        assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)) and torch.equal(l1, l2), (config, cap.meta)
+    assert reordered >= len(caps) // 2, f"only {reordered} of {len(caps)} plans had a block with several segments"
 
 
 @pytest.mark.parametrize("target", ["sm_120", "sm_90a", "sm_90a-no-few"])

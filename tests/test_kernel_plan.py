@@ -379,3 +379,30 @@ def test_a_grid_of_one_row_tile_a_block():
     for bad in (0, -5):
         with pytest.raises(ValueError, match="grid must be at least 1"):
             plan(args, H, 132, config, grid=bad)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+def test_a_block_runs_its_last_segment_first(arch):
+    """The walk (the kernel's order): a block working on several row tiles starts with its last, from that tile's
+    key 0, then takes the others in unit order; built with VMLA_LAST_SEGMENT_FIRST=0, all in unit order. Both
+    orders cover the same segments."""
+    cap = synthesize(SynthSpec(preset="kimi-k2-tp8", batch_size=8, prefix_lens=[1500], budget=64, seed=3), reference=False)
+    args, H = marshal(cap), cap.meta.num_heads
+    config = KernelConfig.for_arch(arch)
+    walks = {}
+    for first in (True, False):
+        c = config if first else config.with_defines(["VMLA_LAST_SEGMENT_FIRST=0"])
+        assert c.last_segment_first == first
+        p = plan(args, H, 132, c)
+        blocks = {}
+        for blk, rt, k0, k1, _ in p.walk():
+            blocks.setdefault(blk, []).append((rt, k0, k1))
+        walks[first] = blocks
+    several = [b for b, segs in walks[False].items() if len(segs) > 1]
+    assert len(several) > 20
+    for b, segs in walks[False].items():
+        assert [rt for rt, *_ in segs] == sorted(rt for rt, *_ in segs)
+        if len(segs) > 1:
+            assert walks[True][b] == segs[-1:] + segs[:-1] and segs[-1][1] == 0
+        else:
+            assert walks[True][b] == segs

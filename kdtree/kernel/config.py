@@ -166,6 +166,13 @@ class KernelConfig:
         return dataclasses.replace(self, stages=3, wg_pipe=1, wg_split=False)
 
     @property
+    def last_segment_first(self) -> bool:
+        """A block runs its last segment first (VMLA_LAST_SEGMENT_FIRST, default 1): that segment starts at its row
+        tile's key 0, so the blocks of a request read its keys at about the same offsets at the same time and the
+        rows stay in L2 between them (docs/kernel-design.md, "Pool rows over L2"). The order changes no bits."""
+        return bool(dict(self.extra).get("VMLA_LAST_SEGMENT_FIRST", 1))
+
+    @property
     def few_row_limit(self) -> int:
         """Row tiles of at most this many rows run the few-row segment (only the wgmma body has one)."""
         return self.few_rows if self.wgmma else 0

@@ -56,18 +56,21 @@ class LaunchPlan:
 
     def walk(self) -> list[tuple[int, int, int, int, int | None]]:
         """verify_mla_fwd's loop replayed on the host: (block, row tile, first key tile, end key tile, partial
-        slot or None) for every segment, block by block (tests and scripts/trace_case.py)."""
+        slot or None) for every segment, block by block, each block's in the order it runs them: its last segment
+        first (`KernelConfig.last_segment_first`), then the others in unit order (tests and scripts/trace_case.py)."""
         a = {k: v.cpu().numpy() for k, v in self.arrays.items()}
         out = []
         for c in range(self.grid):
+            block = []
             u, u_end, rt = a["cta_unit_start"][c], a["cta_unit_start"][c + 1], a["cta_first_rt"][c]
             while u < u_end:
                 t0, t1 = a["rt_unit_start"][rt], a["rt_unit_start"][rt + 1]
                 seg_end = min(u_end, t1)
                 segs = a["rt_seg_base"][rt + 1] - a["rt_seg_base"][rt]
                 slot = int(a["rt_seg_base"][rt] + (c - a["rt_first_cta"][rt])) if segs > 1 else None
-                out.append((c, int(rt), int(u - t0), int(seg_end - t0), slot))
+                block.append((c, int(rt), int(u - t0), int(seg_end - t0), slot))
                 u, rt = seg_end, rt + 1
+            out += block[-1:] + block[:-1] if self.config.last_segment_first else block
         return out
 
 
