@@ -52,11 +52,14 @@ VARIANTS = {
     "no_fast_mask": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 0),)), {}),
     # FlashMLA's schedule on 64-key blocks (verify_segment_seesaw64; no few-row tiles beside it)
     "wgmma_seesaw64": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True), {}),
-    # ... placed with a segment weighed 8 units (its segments cost 1.31 / 0.82 = 1.6x more in its own units)
-    "wgmma_seesaw64_seg8": (
-        dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True),
-        {"segment_units": 8.0},
-    ),
+    # ... placed with a segment weighed n units (its segments cost 1.31 / 0.82 = 1.6x more in its own units: 8)
+    **{
+        f"wgmma_seesaw64_seg{n}": (
+            dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True),
+            {"segment_units": float(n)},
+        )
+        for n in (6, 7, 8, 10)
+    },
     # k whole row tiles a block (the grid cut to ceil(row tiles / k)) instead of the batch balanced over every block;
     # equal tiles (each over all its request's keys), which such a grid runs unsplit; beside the same over every block
     "wgmma_seesaw64_all_keys": (

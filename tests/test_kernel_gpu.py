@@ -253,13 +253,12 @@ def test_the_order_of_a_blocks_segments_changes_no_bits(body):
     if config.wgmma and device_arch() != "sm_90":
         pytest.skip(f"the wgmma segment needs Hopper (sm_90), this GPU is {device_arch()}")
     caps = [load(p) for p in SHIPPED] + [synthesize(fuzz_spec(s), device="cuda", reference=False) for s in range(1, 40, 6)]
-    caps.append(
+    caps += [
         synthesize(
-            SynthSpec(preset="deepseek-v3-tp8", batch_size=2, prefix_lens=[2000], budget=256, seed=2),
-            device="cuda",
-            reference=False,
+            SynthSpec(preset=preset, batch_size=bs, prefix_lens=[n], budget=budget, seed=2), device="cuda", reference=False
         )
-    )
+        for preset, bs, n, budget in (("deepseek-v3-tp8", 2, 2000, 256), ("kimi-k2-tp8", 8, 1500, 64))
+    ]
     reordered = 0
     kernels = [VerifyKernel.get(c) for c in (config, config.with_defines(["VMLA_LAST_SEGMENT_FIRST=0"]))]
     for cap in caps:
@@ -278,7 +277,7 @@ def test_the_order_of_a_blocks_segments_changes_no_bits(body):
             outs.append((o, lse))
         (o1, l1), (o2, l2) = outs
         assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)) and torch.equal(l1, l2), (config, cap.meta)
-    assert reordered >= len(caps) // 2, f"only {reordered} of {len(caps)} plans had a block with several segments"
+    assert reordered >= 6, f"only {reordered} of {len(caps)} plans had a block with several segments"
 
 
 @pytest.mark.parametrize("target", ["sm_120", "sm_90a", "sm_90a-no-few"])
