@@ -20,15 +20,16 @@ def main():
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE for the kernel (repeatable)")
     ap.add_argument("--launches", type=int, default=5)
     ap.add_argument(
-        "--candidates", action="store_true", help="the target's candidates, one picked for the batch (as kdtree bench runs)"
+        "--candidates",
+        action="store_true",
+        help="the target's candidates, one picked for the batch (as kdtree bench runs; --define applies to each)",
     )
     ap.add_argument("--no-l2", action="store_true", help="plan as if the GPU's L2 size were unknown (choose_plan's l2_bytes)")
     a = ap.parse_args()
     case = next(c for c in bench.ALL_CASES if a.case in c.name)
-    config = KernelConfig.for_arch(a.target or device_arch()).with_defines(a.define)
-    if a.candidates and a.define:
-        ap.error("--candidates runs the target's configurations as they are: no --define with it")
-    kern = VerifyKernel.get(KernelConfig.candidates(a.target or device_arch()) if a.candidates else config)
+    arch = a.target or device_arch()
+    configs = KernelConfig.candidates(arch) if a.candidates else (KernelConfig.for_arch(arch),)
+    kern = VerifyKernel.get(tuple(c.with_defines(a.define) for c in configs))
 
     def unknown_l2(args, num_heads):  # VerifyKernel.plan without the GPU's L2 size
         p = choose_plan(args, num_heads, kern.num_sms, kern.configs)
