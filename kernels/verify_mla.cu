@@ -322,6 +322,13 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   __syncthreads();      // the next segment reuses every shared buffer
 }
 
+// The walk's state across a segment: the next segment's tile and unit range (the default), or only its tile and
+// the range's end, the plan entries loaded again (VMLA_WALK_LEAN: two registers fewer, for the timing hooks' builds,
+// which spill with the default's).
+#ifndef VMLA_WALK_LEAN
+#define VMLA_WALK_LEAN (VMLA_TRACE || VMLA_PHASES)
+#endif
+
 // A plan entry loaded where it is used, not held across a segment (the 64-key-block body has no register to spare).
 __device__ __forceinline__ int plan_entry(const int* p, int i) {
   int v;
@@ -356,6 +363,19 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
 #endif
   VMLA_MARK(-1);
   VMLA_MARK(VMLA_MARK_START);
+#if VMLA_WALK_LEAN
+  // row tile rt's units in [block start, u_hi): first the block's last segment (u_hi its end), then from its first
+  // row tile up to that segment (u_hi its start); only rt and u_hi are held across a segment
+  int rt = cta_first_rt[blockIdx.x], u_hi = cta_unit_start[blockIdx.x + 1];
+  if (VMLA_LAST_SEGMENT_FIRST && cta_unit_start[blockIdx.x] < u_hi)
+    while (rt_unit_start[rt + 1] < u_hi) ++rt;
+  for (;;) {
+    const int t0 = plan_entry(rt_unit_start, rt);
+    const int seg_begin = max(plan_entry(cta_unit_start, blockIdx.x), t0);
+    if (seg_begin >= u_hi) break;  // (before t1 is read: rt may be one past the last row tile)
+    const int t1 = plan_entry(rt_unit_start, rt + 1);
+    const int seg_end = min(u_hi, t1);
+#else
   // units [u, u_hi) of row tiles rt, rt + 1, ...: first the block's last segment, then the units before it
   int rt = cta_first_rt[blockIdx.x], u = cta_unit_start[blockIdx.x], u_hi = cta_unit_start[blockIdx.x + 1];
   if (VMLA_LAST_SEGMENT_FIRST && u < u_hi) {
@@ -365,6 +385,7 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
   while (u < u_hi) {
     const int t0 = rt_unit_start[rt], t1 = rt_unit_start[rt + 1];
     const int seg_begin = u, seg_end = min(u_hi, t1);
+#endif
     const int b = rt_request[rt];
     const int kv_len = a.kv_indptr[b + 1] - a.kv_indptr[b];
     const int k_begin = (seg_begin - t0) * VMLA_BN, k_end = min(kv_len, (seg_end - t0) * VMLA_BN);
@@ -398,6 +419,16 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
 #endif
     VMLA_MARK(4);
     VMLA_MARK(-2);  // next segment
+#if VMLA_WALK_LEAN
+    const int c = blockIdx.x, tile_begin = plan_entry(rt_unit_start, rt);
+    if (VMLA_LAST_SEGMENT_FIRST && plan_entry(rt_unit_start, rt + 1) >= plan_entry(cta_unit_start, c + 1) &&
+        tile_begin > plan_entry(cta_unit_start, c)) {
+      u_hi = tile_begin;  // the last segment is done: the units before it, from the block's first row tile
+      rt = plan_entry(cta_first_rt, c);
+    } else {
+      ++rt;
+    }
+#else
     const int c = blockIdx.x;
     if (VMLA_LAST_SEGMENT_FIRST && u_hi == plan_entry(cta_unit_start, c + 1) && seg_begin > plan_entry(cta_unit_start, c)) {
       u_hi = seg_begin;  // the last segment is done: the units before it, from the block's first
@@ -405,6 +436,7 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
     } else {
       u = seg_end, ++rt;
     }
+#endif
   }
   VMLA_MARK(VMLA_MARK_END);
 }

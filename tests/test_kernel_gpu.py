@@ -244,7 +244,7 @@ def test_the_order_of_a_blocks_segments_changes_no_bits(body):
     two Hopper configurations the bench cases run, each on its plans at the full grid (tiles split across
     blocks; the fused merge on the mma.sync body, the merge kernel on wgmma), give the bits of the same kernel
     built to run its segments in unit order - on every shipped capture, fuzz batches and a batch whose blocks
-    each work on two row tiles. The outputs start poisoned, so a segment left out shows."""
+    each work on two row tiles. o starts poisoned and lse NaN, so a segment left out shows."""
     from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, device_arch, plan
 
     hopper = KernelConfig.candidates("sm_90")
@@ -272,7 +272,7 @@ def test_the_order_of_a_blocks_segments_changes_no_bits(body):
         for kern in kernels:
             kp = dataclasses.replace(p, config=kern.config).to("cuda")
             kern.compiled(kern.config)
-            o, lse = poisoned((T, H, 512), "cuda"), torch.empty(T, H, device="cuda")
+            o, lse = poisoned((T, H, 512), "cuda"), torch.full((T, H), float("nan"), device="cuda")
             kern.launch(kp, args, q, pool, o, lse, Workspace.for_plan(kp))
             outs.append((o, lse))
         (o1, l1), (o2, l2) = outs
