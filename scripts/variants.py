@@ -45,6 +45,9 @@ VARIANTS = {
     "hopper_in_order": (in_unit_order(KernelConfig.candidates("sm_90")), {"_choose": True}),
     "sm120": ((KernelConfig(),), {"_choose": True}),
     "sm120_in_order": (in_unit_order((KernelConfig(),)), {"_choose": True}),
+    # the walk that holds only the next segment's tile and its range's end (VMLA_WALK_LEAN, the hooks' builds' walk)
+    "hopper_lean": (tuple(c.with_defines(["VMLA_WALK_LEAN=1"]) for c in KernelConfig.candidates("sm_90")), {"_choose": True}),
+    "sm120_lean": ((KernelConfig().with_defines(["VMLA_WALK_LEAN=1"]),), {"_choose": True}),
     "bm32_regs": (KernelConfig(), {}),  # sm_120's configuration
     "bm64_r2k1": (KernelConfig(**BM64), {}),  # sm_90's configuration
     "bm64_16warps": (KernelConfig(**(BM64 | dict(warps=16, khalves=2))), {}),  # 128 registers each: spills
