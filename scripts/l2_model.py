@@ -13,12 +13,10 @@ Usage: python3 scripts/l2_model.py [--cases substring ...] [--target sm_90|sm_12
 import argparse
 import collections
 
-import numpy as np
-
 from kdtree import bench
 from kdtree.kernel import KernelConfig, choose_plan
 from kdtree.kernel.config import POOL_ROW_BYTES
-from kdtree.kernel.planner import SEGMENT_OVERHEAD_UNITS, LaunchPlan
+from kdtree.kernel.planner import SEGMENT_OVERHEAD_UNITS, LaunchPlan, pool_row_bytes
 from kdtree.marshal import VerifyArgs, marshal
 from kdtree.synth import synthesize
 
@@ -71,10 +69,9 @@ def main():
     for case in bench.select_cases(a.cases):
         cap = synthesize(case.spec(), reference=False)
         args, H = marshal(cap), cap.meta.num_heads
-        pool = len(np.unique(args.combined_kv_indices.numpy())) * POOL_ROW_BYTES
-        print(f"{case.name}: pool rows {pool / 2**20:.1f} MiB")
-        for order, defines in (("last segment first", []), ("unit order", ["VMLA_LAST_SEGMENT_FIRST=0"])):
-            configs = tuple(c.with_defines(defines) for c in KernelConfig.candidates(a.target))
+        print(f"{case.name}: pool rows {pool_row_bytes(args) / 2**20:.1f} MiB")
+        candidates = KernelConfig.candidates(a.target)
+        for order, configs in (("last segment first", candidates), ("unit order", tuple(c.in_unit_order() for c in candidates))):
             p = choose_plan(args, H, a.num_sms, configs, l2_bytes=l2_bytes)
             reads, misses = dram_rows(p, args, l2_bytes // POOL_ROW_BYTES, a.segment_steps)
             print(

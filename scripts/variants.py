@@ -32,9 +32,9 @@ SKIPS = {
 WGMMA_SKIPS = SKIPS | {"exchange": ["EXCHANGE"], "load_mma": ["LOAD", "QK", "PV"], "all": SKIPS["all"] + ["EXCHANGE"]}
 
 
-def in_unit_order(configs: tuple[KernelConfig, ...]) -> tuple[KernelConfig, ...]:
-    """The configurations built to run each block's segments in unit order (VMLA_LAST_SEGMENT_FIRST=0)."""
-    return tuple(c.with_defines(["VMLA_LAST_SEGMENT_FIRST=0"]) for c in configs)
+def each_with(configs: tuple[KernelConfig, ...], *defines: str) -> tuple[KernelConfig, ...]:
+    """Every one of `configs` built with `defines` ("NAME=VALUE")."""
+    return tuple(c.with_defines(defines) for c in configs)
 
 
 # name -> (configuration, or the candidates the cost model picks from per batch ("_choose"), plan options)
@@ -42,12 +42,12 @@ VARIANTS = {
     # what `kdtree bench` runs: the Hopper candidates and the sm_120 configuration, planned by choose_plan; and the
     # same kernels with each block's segments in unit order
     "hopper": (KernelConfig.candidates("sm_90"), {"_choose": True}),
-    "hopper_in_order": (in_unit_order(KernelConfig.candidates("sm_90")), {"_choose": True}),
+    "hopper_in_order": (tuple(c.in_unit_order() for c in KernelConfig.candidates("sm_90")), {"_choose": True}),
     "sm120": ((KernelConfig(),), {"_choose": True}),
-    "sm120_in_order": (in_unit_order((KernelConfig(),)), {"_choose": True}),
+    "sm120_in_order": ((KernelConfig().in_unit_order(),), {"_choose": True}),
     # the walk that holds only the next segment's tile and its range's end (VMLA_WALK_LEAN, the hooks' builds' walk)
-    "hopper_lean": (tuple(c.with_defines(["VMLA_WALK_LEAN=1"]) for c in KernelConfig.candidates("sm_90")), {"_choose": True}),
-    "sm120_lean": ((KernelConfig().with_defines(["VMLA_WALK_LEAN=1"]),), {"_choose": True}),
+    "hopper_lean": (each_with(KernelConfig.candidates("sm_90"), "VMLA_WALK_LEAN=1"), {"_choose": True}),
+    "sm120_lean": (each_with((KernelConfig(),), "VMLA_WALK_LEAN=1"), {"_choose": True}),
     "bm32_regs": (KernelConfig(), {}),  # sm_120's configuration
     "bm64_r2k1": (KernelConfig(**BM64), {}),  # sm_90's configuration
     "bm64_16warps": (KernelConfig(**(BM64 | dict(warps=16, khalves=2))), {}),  # 128 registers each: spills
@@ -178,11 +178,12 @@ def main():
                 ref = first.setdefault(case.name, o.float().clone())  # the first variant's output
                 rel = float((o.float() - ref).norm() / ref.norm())
                 fns[name] = fn
+                attrs = kern.compiled(p.config)[1].attributes  # the planned configuration's forward kernel
                 rows.setdefault(case.name, {})[name] = {
                     "rel_vs_first": rel,
                     "ms_runs": [],
-                    "regs": kern.compiled(p.config)[1].attributes["num_regs"],
-                    "local": kern.compiled(p.config)[1].attributes["local_size_bytes"],
+                    "regs": attrs["num_regs"],
+                    "local": attrs["local_size_bytes"],
                     "grid": p.grid,
                     "units": p.units,
                     "work": p.work,

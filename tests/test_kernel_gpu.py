@@ -260,7 +260,7 @@ def test_the_order_of_a_blocks_segments_changes_no_bits(body):
         for preset, bs, n, budget in (("deepseek-v3-tp8", 2, 2000, 256), ("kimi-k2-tp8", 8, 1500, 64))
     ]
     reordered = 0
-    kernels = [VerifyKernel.get(c) for c in (config, config.with_defines(["VMLA_LAST_SEGMENT_FIRST=0"]))]
+    kernels = [VerifyKernel.get(c) for c in (config, config.in_unit_order())]
     for cap in caps:
         lid = cap.meta.layer_ids[0]
         host_args = marshal(cap)

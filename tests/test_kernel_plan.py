@@ -391,7 +391,7 @@ def test_a_block_runs_its_last_segment_first(arch):
     config = KernelConfig.for_arch(arch)
     walks = {}
     for first in (True, False):
-        c = config if first else config.with_defines(["VMLA_LAST_SEGMENT_FIRST=0"])
+        c = config if first else config.in_unit_order()
         assert c.last_segment_first == first
         p = plan(args, H, 132, c)
         blocks = {}
@@ -424,7 +424,7 @@ def test_the_l2_model_counts_cold_misses_and_favours_the_kernels_order():
     rows = len(np.unique(args.combined_kv_indices.numpy()))
     config = KernelConfig.for_arch("sm_90")
     kernel_order = plan(args, H, 132, config)
-    unit_order = plan(args, H, 132, config.with_defines(["VMLA_LAST_SEGMENT_FIRST=0"]))
+    unit_order = plan(args, H, 132, config.in_unit_order())
     assert (kernel_order.block_segments > 1).sum() > 50
     reads, misses = l2_model.dram_rows(kernel_order, args, rows + 1, 5.0)
     assert misses == rows and reads > 8 * rows  # each row read by every row tile of its request

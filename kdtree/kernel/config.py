@@ -165,6 +165,11 @@ class KernelConfig:
         the split-key one replaced, kept as its reference."""
         return dataclasses.replace(self, stages=3, wg_pipe=1, wg_split=False)
 
+    def in_unit_order(self) -> "KernelConfig":
+        """The same configuration built to run each block's segments in unit order (VMLA_LAST_SEGMENT_FIRST=0): the
+        order's bit-equality and timing twin."""
+        return self.with_defines(["VMLA_LAST_SEGMENT_FIRST=0"])
+
     @property
     def last_segment_first(self) -> bool:
         """A block runs its last segment first (VMLA_LAST_SEGMENT_FIRST, default 1): that segment starts at its row
