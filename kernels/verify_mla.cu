@@ -43,7 +43,10 @@ static_assert(QK_MT * VMLA_RGROUPS == MT && PASS_NT % 2 == 0 && PASS_NT * VMLA_K
 static_assert(KSTEPS_PER_SLICE * 16 * VMLA_DSLICES == VMLA_DIM, "dims must split evenly");
 static_assert(PV_COLS * VMLA_WARPS == VMLA_VDIM && PV_NT % 2 == 0, "output columns must split evenly");
 static_assert(COLS_PER_THREAD % 4 == 0 && THREADS_PER_ROW <= 32, "softmax step reads float4s within a warp");
-static_assert(VMLA_Q_SMEM || VMLA_BM <= VMLA_BN, "Q staging reuses one K stage buffer");
+static_assert(VMLA_S_PAD > 0 || COLS_PER_THREAD == 4, "a swizzled partial-score row is read one float4 a thread");
+static_assert(VMLA_Q_SMEM || VMLA_BM <= VMLA_BN || VMLA_BM <= VMLA_STAGES * VMLA_BN,
+              "Q staging reuses one K stage buffer (or, for BM > BN, all of them)");
+constexpr bool Q_STAGED_ACROSS = !VMLA_Q_SMEM && VMLA_BM > VMLA_BN;  // Q staged over every K stage
 
 // Rows of tile j are issued at iteration j - STAGES + 1; their slot ids are fetched STAGES - 1 iterations
 // before that (so they have landed when needed): at iteration t we fetch the ids of tile t + SLOT_AHEAD.
@@ -65,17 +68,19 @@ struct Smem {
 
 // Copy ROWS rows of VMLA_DIM bf16 into shared memory (dst rows ROW_STRIDE apart) with 16-byte cp.async; row r
 // comes from row_src(r), or is zero-filled where that is null. NUM_THREADS / ROWS threads share a row, thread j
-// taking its chunks j, j + TPR, ...: one address per thread and row, and a warp's copies cover whole 128-byte
-// runs of a row. (Any other thread count: chunk c to thread c % NUM_THREADS.)
+// taking its chunks j, j + TPR, ... (the first threads one more where TPR does not divide a row's 72): one address
+// per thread and row, and every 8 threads' copies cover one 128-byte run of a row (no bank conflicts). (Rows that
+// do not divide the threads: chunk c to thread c % NUM_THREADS.)
 template <int ROWS, class RowSrc>
 __device__ __forceinline__ void gather_rows(__nv_bfloat16 (*dst)[ROW_STRIDE], RowSrc row_src, const __nv_bfloat16* fallback) {
   constexpr int TPR = NUM_THREADS / ROWS;
-  if constexpr (NUM_THREADS % ROWS == 0 && CHUNKS_PER_ROW % TPR == 0) {
+  if constexpr (NUM_THREADS % ROWS == 0 && TPR >= 4) {
     const int r = threadIdx.x / TPR, j = threadIdx.x % TPR;
     const __nv_bfloat16* src = row_src(r);
 #pragma unroll
-    for (int i = 0; i < CHUNKS_PER_ROW / TPR; ++i) {
+    for (int i = 0; i < (CHUNKS_PER_ROW + TPR - 1) / TPR; ++i) {
       const int part = j + i * TPR;
+      if (CHUNKS_PER_ROW % TPR != 0 && part >= CHUNKS_PER_ROW) break;
       cp_async_16(&dst[r][part * 8], src != nullptr ? src + part * 8 : fallback, src != nullptr);
     }
   } else {
@@ -193,7 +198,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
 #if VMLA_Q_SMEM
   __nv_bfloat16(*qs)[ROW_STRIDE] = sm.q;
 #else
-  __nv_bfloat16(*qs)[ROW_STRIDE] = sm.kv[VMLA_STAGES - 1];
+  __nv_bfloat16(*qs)[ROW_STRIDE] = Q_STAGED_ACROSS ? sm.kv[0] : sm.kv[VMLA_STAGES - 1];
 #endif
   const int num_tiles = (k_end - k_begin + VMLA_BN - 1) / VMLA_BN;
   gather_rows<VMLA_BM>(qs, [&](int r) { return row0 + r < rows ? q + (grow0 + r) * VMLA_DIM : nullptr; }, q);
@@ -202,11 +207,14 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();  // Q staged, slot ids of the first tiles in shared memory
+  auto issue_first_tiles = [&] {
 #pragma unroll
-  for (int j = 0; j < VMLA_STAGES - 1; ++j) {  // one commit group per tile
-    if (j < num_tiles) load_kv_tile(sm, j, j, kv_buffer, k_begin + j * VMLA_BN, k_end);
-    cp_async_commit();
-  }
+    for (int j = 0; j < VMLA_STAGES - 1; ++j) {  // one commit group per tile
+      if (j < num_tiles) load_kv_tile(sm, j, j, kv_buffer, k_begin + j * VMLA_BN, k_end);
+      cp_async_commit();
+    }
+  };
+  if constexpr (!Q_STAGED_ACROSS) issue_first_tiles();
 
   // QK role of this warp: a slice of the dims, a group of rows, a part of the keys
   const int dslice = warp % VMLA_DSLICES;
@@ -226,6 +234,10 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     }
   // the loop's first barrier also frees the Q staging buffer (the last stage)
 #endif
+  if constexpr (Q_STAGED_ACROSS) {  // Q fills every stage: its fragments leave before the first rows land
+    __syncthreads();
+    issue_first_tiles();
+  }
 
   // softmax-step state: THREADS_PER_ROW threads per row, each COLS_PER_THREAD keys of a tile
   const int srow = tid / THREADS_PER_ROW, scol = (tid % THREADS_PER_ROW) * COLS_PER_THREAD;
@@ -298,7 +310,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
     float alpha = 1.f;
     if (swarp_valid) {
       float x[COLS_PER_THREAD];
-      sum_partials<COLS_PER_THREAD, VMLA_DSLICES>(x, &sm.s[0][srow][scol], VMLA_BM * S_STRIDE);
+      sum_partials<COLS_PER_THREAD, VMLA_DSLICES>(x, &sm.s[0][srow][s_col(srow, scol)], VMLA_BM * S_STRIDE);
       alpha = softmax_step<COLS_PER_THREAD, THREADS_PER_ROW>(st, x, &sm.p[srow][scol], a, k0 + scol, k_end, prefix,
                                                              srow_valid, stoken);
     }

@@ -11,8 +11,14 @@
 namespace vmla {
 
 constexpr int ROW_STRIDE = VMLA_DIM + 8;  // bf16 elems per staged row; +16 B keeps ldmatrix conflict-free
-constexpr int S_STRIDE = VMLA_BN + 8;     // fp32 elems per partial-score row
+constexpr int S_STRIDE = VMLA_BN + VMLA_S_PAD;  // fp32 elems per partial-score row
 constexpr int P_STRIDE = VMLA_BN + 8;     // bf16 elems per P row
+static_assert(VMLA_S_PAD > 0 || VMLA_BN == 16, "unpadded partial-score rows (VMLA_S_PAD 0) are swizzled for BN 16");
+
+// Column col of partial-score row `row` in shared memory: unpadded rows of 16 floats (VMLA_S_PAD 0) swap their
+// halves on rows 2-3 mod 4, which keeps the fragment stores (4 rows a phase) and the softmax's float4 reads
+// (2 rows) conflict-free; padded rows are as they are.
+__device__ __forceinline__ int s_col(int row, int col) { return VMLA_S_PAD == 0 ? col ^ (((row >> 1) & 1) << 3) : col; }
 constexpr int KSTEPS = VMLA_DIM / 16;     // k16 steps of QK over the 576 dims
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
@@ -291,7 +297,8 @@ __device__ __forceinline__ void store_scores(float* s, const float (&x)[MTILES][
 #pragma unroll
     for (int ni = 0; ni < NTILES; ++ni) {
       if (r0 + mi * 16 >= valid_rows) continue;  // padding m16 tile: nobody reads it
-      float* row = s + (r0 + mi * 16 + g) * S_STRIDE + col0 + ni * 8 + tig * 2;
+      const int r = r0 + mi * 16 + g;
+      float* row = s + r * S_STRIDE + s_col(r, col0 + ni * 8 + tig * 2);  // (rows r and r + 8 swizzle alike)
       *reinterpret_cast<float2*>(row) = make_float2(x[mi][ni][0], x[mi][ni][1]);
       *reinterpret_cast<float2*>(row + 8 * S_STRIDE) = make_float2(x[mi][ni][2], x[mi][ni][3]);
     }

@@ -55,6 +55,10 @@
 #define VMLA_Q_SMEM 0     // 0: Q fragments live in registers (BM 32); 1: Q stays in shared memory (BM 64, big smem)
 #endif
 
+#ifndef VMLA_S_PAD
+#define VMLA_S_PAD 8      // fp32 padding of a partial-score row (8: conflict-free fragment stores at BN 16 and 32)
+#endif
+
 #ifndef VMLA_FAST_MASK
 #define VMLA_FAST_MASK 1  // the softmax step's tree mask as one bit word per thread (<= 2 mask loads, no branches
                           // per key): -4 to -6 % on the H200, same bits (0: the mask read key by key)

@@ -24,11 +24,14 @@ def main():
         action="store_true",
         help="the target's candidates, one picked for the batch (as kdtree bench runs; --define applies to each)",
     )
+    ap.add_argument("--rows64", action="store_true", help="KernelConfig.rows64_in_registers (64 rows, Q in registers)")
     ap.add_argument("--no-l2", action="store_true", help="plan as if the GPU's L2 size were unknown (choose_plan's l2_bytes)")
     a = ap.parse_args()
     case = next(c for c in bench.ALL_CASES if a.case in c.name)
     arch = a.target or device_arch()
     configs = KernelConfig.candidates(arch) if a.candidates else (KernelConfig.for_arch(arch),)
+    if a.rows64:
+        configs = (KernelConfig.rows64_in_registers(),)
     kern = VerifyKernel.get(tuple(c.with_defines(a.define) for c in configs))
 
     def unknown_l2(args, num_heads):  # VerifyKernel.plan without the GPU's L2 size

@@ -49,6 +49,9 @@ VARIANTS = {
     "hopper_lean": (each_with(KernelConfig.candidates("sm_90"), "VMLA_WALK_LEAN=1"), {"_choose": True}),
     "sm120_lean": (each_with((KernelConfig(),), "VMLA_WALK_LEAN=1"), {"_choose": True}),
     "bm32_regs": (KernelConfig(), {}),  # sm_120's configuration
+    # 64 rows with Q in registers in sm_120's limits (16-key tiles, 4 stages); a segment is twice as many units
+    "bm64_regs": (KernelConfig.rows64_in_registers(), {"segment_units": 10.0}),
+    "bm64_regs_seg5": (KernelConfig.rows64_in_registers(), {}),
     "bm64_r2k1": (KernelConfig(**BM64), {}),  # sm_90's configuration
     "bm64_16warps": (KernelConfig(**(BM64 | dict(warps=16, khalves=2))), {}),  # 128 registers each: spills
     # the tree mask read key by key (the bit-equality reference)
@@ -116,10 +119,11 @@ VARIANTS = {
     **{f"bm32_seg{n}": (KernelConfig(), {"segment_units": n}) for n in (2, 4, 6)},
     # the same kernel with parts of each tile's work left out (wrong output; where does the time go?)
     **{
-        f"{name}_skip_{n}": (dataclasses.replace(config, extra=tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})
+        f"{name}_skip_{n}": (dataclasses.replace(config, extra=config.extra + tuple((f"VMLA_SKIP_{k}", 1) for k in ks)), {})
         for name, config, skips in (
             ("bm64", KernelConfig(**BM64), SKIPS),
             ("bm32", KernelConfig(), SKIPS),
+            ("bm64_regs", KernelConfig.rows64_in_registers(), SKIPS),
             ("wgmma", KernelConfig.for_arch("sm_90a"), SKIPS | {"load_mma": ["LOAD", "QK", "PV"]}),
             (
                 "wgmma_dims",

@@ -65,6 +65,16 @@ def test_optional_switches_compile_and_fit(switches):
             assert fwd.ok, fwd.line()
 
 
+def test_64_rows_with_q_in_registers_fit_sm120_without_spills():
+    """The 64-row mma.sync configuration within sm_120's limits (`KernelConfig.rows64_in_registers`): its shared
+    memory (4 stages of 16 keys, Q staged over them, unpadded swizzled partial scores) under the 101,376 B, and no
+    spills on sm_120. (Its sm_90 build, which an H200 runs it as, spills up to 40 B: docs/kernel-design.md.)"""
+    config = KernelConfig.rows64_in_registers()
+    assert config.smem_bytes <= ARCH_LIMITS["sm_120"]["smem_per_block"] < dataclasses.replace(config, extra=()).smem_bytes
+    (fwd,) = [r for r in compile_report("sm_120", config) if r.name == "verify_mla_fwd"]
+    assert fwd.ok and fwd.spill_stores == fwd.spill_loads == 0 and fwd.bm == 64, fwd.line()
+
+
 def test_sm120_configuration_is_under_the_99kb_cliff():
     assert KernelConfig.for_arch("sm_120").smem_bytes <= 101_376
     assert KernelConfig.for_arch("sm_90").smem_bytes > 101_376  # the Hopper config uses its larger shared memory

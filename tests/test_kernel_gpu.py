@@ -337,6 +337,24 @@ def test_one_configuration_alone(monkeypatch, target, seed):
     check_against_references(cap, 0, run_impl("cuda", cap, 0, device="cuda"))
 
 
+@pytest.mark.parametrize("seed", range(0, 200, 8))
+def test_64_rows_with_q_in_registers(seed):
+    """The mma.sync body on 64 rows in sm_120's limits (`KernelConfig.rows64_in_registers`: 16-key tiles in 4
+    stages, Q staged through all of them and then held in registers, swizzled partial scores) passes the oracle
+    bar on every shipped capture (seed 0) and every eighth fuzz batch, over its plans at the full grid (split
+    tiles, the fused merge)."""
+    from kdtree.kernel import KernelConfig, VerifyKernel
+
+    kern = VerifyKernel.get(KernelConfig.rows64_in_registers())
+    caps = [load(p) for p in SHIPPED] if seed == 0 else []
+    caps.append(synthesize(fuzz_spec(seed), device="cuda", reference=False))
+    for cap in caps:
+        for lid in cap.meta.layer_ids[:2]:
+            host_args, q, pool = marshal(cap), cap.layer(lid).q.cuda(), cap.pool(lid, "cuda")
+            o, lse = kern.run(host_args, q, pool)
+            check_against_references(cap, lid, AttnOutput(o, lse))
+
+
 @pytest.mark.parametrize("few_rows", [0, 16], ids=["64-row-wgmma", "few-row-segment"])
 def test_few_row_tiles_in_either_segment(few_rows):
     """On Hopper a row tile of at most 16 rows (a request's last: node 16 x 8 heads of the small tree) runs the

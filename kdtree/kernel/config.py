@@ -87,6 +87,11 @@ class KernelConfig:
     # segment, at few_row_weight(config) of a unit (0: every tile is a 64-row wgmma tile)
     extra: tuple[tuple[str, int], ...] = ()  # more -D switches (timing experiments)
 
+    @property
+    def s_pad(self) -> int:
+        """fp32 padding of a partial-score row (VMLA_S_PAD, default 8; 0: unpadded and swizzled, BN 16 only)."""
+        return dict(self.extra).get("VMLA_S_PAD", 8)
+
     def __post_init__(self) -> None:
         if self.wg_split and not (self.wgmma and self.stages == 4 and self.wg_pipe == 0):
             raise ValueError(
@@ -160,6 +165,13 @@ class KernelConfig:
             extra.append((name, int(value)))
         return dataclasses.replace(self, extra=self.extra + tuple(extra))
 
+    @classmethod
+    def rows64_in_registers(cls) -> "KernelConfig":
+        """mma.sync on 64 rows within sm_120's 101,376 B: Q in registers (72 a thread, staged through all four
+        stages of 16 keys), 4 dim slices x 2 row groups, the partial-score rows unpadded and swizzled. Each gathered
+        pool row serves 64 rows instead of 32 (docs/kernel-design.md, "The two numbers")."""
+        return cls(bm=64, bn=16, stages=4, dslices=4, rgroups=2, khalves=1, extra=(("VMLA_S_PAD", 0),))
+
     def dims_split(self) -> "KernelConfig":
         """The same wgmma configuration with the warpgroups splitting a tile's dims (pipelined, 3 stages): the loop
         the split-key one replaced, kept as its reference."""
@@ -199,7 +211,7 @@ class KernelConfig:
         q = self.bm * row if self.q_smem else 0
         kv = self.stages * self.bn * row
         idx = 2 * self.stages * self.bn * 4  # ring of slot ids fetched ahead of the rows
-        s = self.dslices * self.bm * (self.bn + 8) * 4  # fp32 partial scores
+        s = self.dslices * self.bm * (self.bn + self.s_pad) * 4  # fp32 partial scores
         p = self.bm * (self.bn + 8) * 2  # bf16 probabilities
         stats = 2 * self.bm * 4 + 16  # alpha, l per row; a flag
         return q + kv + idx + s + p + stats
