@@ -14,7 +14,7 @@ import dataclasses
 import triton.testing
 
 from kdtree import bench
-from kdtree.kernel import VerifyKernel
+from kdtree.kernel import KernelConfig, VerifyKernel, plan
 from kdtree.kernel.planner import pool_row_bytes
 
 
@@ -35,14 +35,26 @@ def median_ms(kern, run: bench.CaseLaunch) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="*", default=["8k x8", "mixed", "32k x2", "32k x4", "128k", "8k x4"])
+    ap.add_argument(
+        "--blocks64", action="store_true", help="FlashMLA's schedule on 64-key blocks alone (Hopper), not the cost model's pick"
+    )
+    ap.add_argument("--segment-units", type=float, default=None, help="with --blocks64: plan(segment_units=...)")
     a = ap.parse_args()
-    kern = VerifyKernel.get()
+    if a.blocks64:
+        config = KernelConfig.blocks64()
+        kern = VerifyKernel.get(config)
+
+        def plan_fn(args, num_heads):
+            return plan(args, num_heads, kern.num_sms, config, segment_units=a.segment_units)
+    else:
+        kern = VerifyKernel.get()
+        plan_fn = kern.plan
     print(f"L2 {kern.l2_bytes / 2**20:.0f} MiB")
     for case in bench.select_cases(a.cases, probes=True):
-        run = bench.case_launch(case, kern.plan)
+        run = bench.case_launch(case, plan_fn)
         own, shared = median_ms(kern, run), median_ms(kern, dataclasses.replace(run, args=shared_prefix(run.args)))
         half = dataclasses.replace(case, prefix_lens=tuple(n // 2 for n in case.prefix_lens))
-        halves = 2 * median_ms(kern, bench.case_launch(half, kern.plan))
+        halves = 2 * median_ms(kern, bench.case_launch(half, plan_fn))
         p = run.plan
         print(
             f"{case.name:34s} pool rows {pool_row_bytes(run.args) / 2**20:6.1f} MiB grid {p.grid} segments {p.segments:4d} "

@@ -64,9 +64,12 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE for the kernel (repeatable)")
     ap.add_argument("--segment-units", type=float, nargs="*", default=[None], help="plan(segment_units=...) values to trace")
+    ap.add_argument("--blocks64", action="store_true", help="FlashMLA's schedule on 64-key blocks (Hopper; no few-row tiles)")
     a = ap.parse_args()
     cases = bench.select_cases(a.cases, probes=True)
     base = KernelConfig.for_arch(device_arch())
+    if a.blocks64:
+        base = KernelConfig.blocks64()
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     max_grid = torch.cuda.get_device_properties(0).multi_processor_count * base.blocks_per_sm  # plan()'s largest grid
     config = base.with_defines([*a.define, f"VMLA_TRACE={max_grid}"])

@@ -57,23 +57,23 @@ VARIANTS = {
     # the tree mask read key by key (the bit-equality reference)
     "no_fast_mask": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 0),)), {}),
     # FlashMLA's schedule on 64-key blocks (verify_segment_seesaw64; no few-row tiles beside it)
-    "wgmma_seesaw64": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True), {}),
+    "wgmma_seesaw64": (KernelConfig.blocks64(), {}),
     # ... placed with a segment weighed n units (its segments cost 1.31 / 0.82 = 1.6x more in its own units: 8)
     **{
         f"wgmma_seesaw64_seg{n}": (
-            dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True),
+            KernelConfig.blocks64(),
             {"segment_units": float(n)},
         )
-        for n in (6, 7, 8, 10)
+        for n in (6, 7, 8, 10, 14, 20)
     },
     # k whole row tiles a block (the grid cut to ceil(row tiles / k)) instead of the batch balanced over every block;
     # equal tiles (each over all its request's keys), which such a grid runs unsplit; beside the same over every block
     "wgmma_seesaw64_all_keys": (
-        dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True),
+        KernelConfig.blocks64(),
         {"visible_keys": False},
     ),
     "wgmma_seesaw64_tile_a_block": (
-        dataclasses.replace(KernelConfig.for_arch("sm_90a"), few_rows=0, wg_blocks64=True),
+        KernelConfig.blocks64(),
         {"_tiles_a_block": 1, "visible_keys": False},
     ),
     "bm32_two_tiles_a_block": (KernelConfig(), {"_tiles_a_block": 2, "visible_keys": False}),

@@ -279,8 +279,9 @@ def test_64_key_block_schedule_needs_the_split_key_layout_and_no_few_row_tiles()
     """KernelConfig.wg_blocks64 runs FlashMLA's schedule in the split-key body's four stages, and beside the
     few-row segment it spills: a configuration asking for either other layout is refused by name."""
     hopper = KernelConfig.for_arch("sm_90")
-    b64 = dataclasses.replace(hopper, few_rows=0, wg_blocks64=True)
+    b64 = KernelConfig.blocks64()
     assert b64.defines()["VMLA_WG_SEESAW64"] == 1 and hopper.defines()["VMLA_WG_SEESAW64"] == 0
+    assert b64 in KernelConfig.candidates("sm_90")  # the configuration the cost model picks for long batches
     with pytest.raises(ValueError, match="wg_blocks64 needs wg_split and few_rows=0"):
         dataclasses.replace(hopper, wg_blocks64=True)  # few-row tiles
     with pytest.raises(ValueError, match="wg_blocks64 needs wg_split"):

@@ -172,6 +172,12 @@ class KernelConfig:
         pool row serves 64 rows instead of 32 (docs/kernel-design.md, "The two numbers")."""
         return cls(bm=64, bn=16, stages=4, dslices=4, rgroups=2, khalves=1, extra=(("VMLA_S_PAD", 0),))
 
+    @classmethod
+    def blocks64(cls) -> "KernelConfig":
+        """FlashMLA's schedule on 64-key blocks alone (sm_90a, no few-row tiles): the Hopper candidate the cost
+        model picks for long batches, for scripts that time or trace it on every batch."""
+        return dataclasses.replace(cls.for_arch("sm_90a"), few_rows=0, wg_blocks64=True)
+
     def dims_split(self) -> "KernelConfig":
         """The same wgmma configuration with the warpgroups splitting a tile's dims (pipelined, 3 stages): the loop
         the split-key one replaced, kept as its reference."""
