@@ -22,7 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kdtree.kernel import PLAN_ARRAYS, SEGMENT_OVERHEAD_UNITS, KernelConfig, LaunchPlan, few_row_weight, row_tile_key_tiles
+from kdtree.kernel import (
+    PLAN_ARRAYS,
+    SEGMENT_OVERHEAD_UNITS,
+    SHORT_SEGMENT_UNITS,
+    SHORT_TILE_UNITS,
+    KernelConfig,
+    LaunchPlan,
+    few_row_weight,
+    row_tile_key_tiles,
+)
 from kdtree.kernel.planner import L2_SPREAD_COST, POOL_ROW_BYTES
 
 
@@ -63,17 +72,19 @@ class PlanShape:
 
 
 def balanced_split_t(
-    rt_unit_start: torch.Tensor, grid: int, live: torch.Tensor, segment_units: float, rt_weight: torch.Tensor
+    rt_unit_start: torch.Tensor, grid: int, live: torch.Tensor, rt_segment: torch.Tensor, rt_weight: torch.Tensor
 ) -> torch.Tensor:
     """`kdtree.kernel.balanced_split` over `live` blocks (a device scalar, <= grid), then grid - live empty
-    blocks: [grid + 1] block boundaries."""
-    dev = rt_unit_start.device
+    blocks: [grid + 1] block boundaries. `rt_segment`: each row tile's segment cost (float64, integral values,
+    so the sums are exact in any order and agree with the host's)."""
     units = rt_unit_start[-1]
     starts = rt_unit_start[:-1].double()
     tiles = starts.numel()
     work = (rt_unit_start[1:] - rt_unit_start[:-1]).double() * rt_weight
-    w_start = torch.cat([work.new_zeros(1), torch.cumsum(work, 0)[:-1]]) + segment_units * torch.arange(tiles, device=dev)
-    w_end = work.sum() + segment_units * (tiles - 1)
+    cum, jumps = torch.cumsum(work, 0), torch.cat([work.new_zeros(1), torch.cumsum(rt_segment[1:], 0)])
+    w_start = torch.cat([work.new_zeros(1), cum[:-1]]) + jumps
+    w_end = cum[-1] + jumps[-1]
+    dev = rt_unit_start.device
     w = torch.arange(1, grid, device=dev, dtype=torch.float64) * (w_end / live.double())
     rt = (torch.searchsorted(w_start, w, right=True) - 1).clamp(0, tiles - 1)
     inner = torch.minimum(rt_unit_start[rt + 1].double(), starts[rt] + torch.round((w - w_start[rt]) / rt_weight[rt]))
@@ -93,6 +104,7 @@ def plan_on_device(
     *,
     segment_units: float = SEGMENT_OVERHEAD_UNITS,
     few_unit_cost: float | None = None,
+    short_segment_units: float = SHORT_SEGMENT_UNITS,
 ) -> LaunchPlan:
     """A `LaunchPlan` (fused merge off) of `shape.grid` blocks for this batch (its marshaled lengths and tree
     bits, `kdtree.marshal.VerifyArgs`'s fields), on the indptrs' device.
@@ -131,7 +143,8 @@ def plan_on_device(
         live = torch.where(whole, torch.full_like(live, R), live)
     weight = few_row_weight(cfg) if few_unit_cost is None else few_unit_cost
     few = torch.ones(R, dtype=torch.float64, device=dev).masked_fill(tile_rows <= cfg.few_row_limit, weight)
-    cta_unit_start = balanced_split_t(rt_unit_start, shape.grid, live, segment_units, few)
+    rt_segment = segment_units + (key_tiles <= SHORT_TILE_UNITS).double() * (short_segment_units if segment_units > 0 else 0.0)
+    cta_unit_start = balanced_split_t(rt_unit_start, shape.grid, live, rt_segment, few)
     cta_first_rt = (torch.searchsorted(rt_unit_start, cta_unit_start[:-1], right=True) - 1).clamp(max=R - 1)
     rt_first_cta = torch.searchsorted(cta_unit_start, rt_unit_start[:-1], right=True) - 1
     rt_last_cta = torch.searchsorted(cta_unit_start, rt_unit_start[1:] - 1, right=True) - 1

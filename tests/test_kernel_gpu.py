@@ -259,6 +259,8 @@ def test_the_order_of_a_blocks_segments_changes_no_bits(body):
         )
         for preset, bs, n, budget in (("deepseek-v3-tp8", 2, 2000, 256), ("kimi-k2-tp8", 8, 1500, 64))
     ]
+    mixed = SynthSpec(preset="kimi-k2-tp8", batch_size=4, prefix_lens=[100, 3, 1500, 700], budget=64, seed=2)
+    caps.append(synthesize(mixed, device="cuda", reference=False))  # short requests' row tiles, several a block
     reordered = 0
     kernels = [VerifyKernel.get(c) for c in (config, config.in_unit_order())]
     for cap in caps:

@@ -4,10 +4,20 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from kdtree.capture import load
 from kdtree.fuzz import fuzz_spec
-from kdtree.kernel import FEW_UNIT_COST, FUSED_MERGE_SEGS, SEGMENT_OVERHEAD_UNITS, KernelConfig, balanced_split, plan
+from kdtree.kernel import (
+    FEW_UNIT_COST,
+    FUSED_MERGE_SEGS,
+    SEGMENT_OVERHEAD_UNITS,
+    SHORT_SEGMENT_UNITS,
+    SHORT_TILE_UNITS,
+    KernelConfig,
+    balanced_split,
+    plan,
+)
 from kdtree.marshal import marshal
 from kdtree.synth import SynthSpec, synthesize
 
@@ -39,10 +49,12 @@ def test_every_work_unit_is_done_once_and_shares_are_balanced(cap, config, num_s
     rows = np.minimum(config.bm, n[a["rt_request"]] * H - a["rt_row0"])
     weight = np.where(rows <= config.few_rows, FEW_UNIT_COST, 1.0) if config.wgmma else np.ones(len(rows))
     assert p.work == pytest.approx((np.diff(a["rt_unit_start"]) * weight).sum())
+    # a segment of a short row tile weighs SHORT_SEGMENT_UNITS more
+    rt_seg = seg_units + (np.diff(a["rt_unit_start"]) <= SHORT_TILE_UNITS) * (SHORT_SEGMENT_UNITS if seg_units else 0)
     cost = np.zeros(p.grid)
     for c, rt, k0, k1, _ in steps:
-        cost[c] += (k1 - k0) * weight[rt] + seg_units
-    ideal = (p.work + seg_units * (p.row_tiles - 1)) / p.grid + seg_units  # each block's share of the total
+        cost[c] += (k1 - k0) * weight[rt] + rt_seg[rt]
+    ideal = (p.work + rt_seg[1:].sum()) / p.grid + rt_seg.max()  # each block's share of the total
     if seg_units == 0:
         assert shares.max() - shares.min() <= 1
     else:
@@ -162,11 +174,31 @@ def test_balanced_split_moves_units_to_blocks_with_fewer_segments():
     assert balanced_split(many, 2, 5.0).tolist() == [0, 63, 90]  # 63 + 2 x 5 against 27 + 9 x 5
     tight = balanced_split(np.arange(0, 9), 8, 100.0)
     assert tight.tolist() == list(range(9))
+    # each row tile's own segment cost: the short tiles' 11 instead of 5 move 4 more units to the first block
+    assert balanced_split(many, 2, np.full(11, 5.0)).tolist() == [0, 63, 90]
+    assert balanced_split(many, 2, np.array([5.0] + [11.0] * 10)).tolist() == [0, 67, 90]  # 67 + 5 + 3 x 11, 23 + 8 x 11
     # row tiles of cheaper units (few-row tiles): a block takes more of them for the same work
     assert balanced_split(starts, 3, 5.0).tolist() == [0, 10, 20, 30]
     assert balanced_split(starts, 3, 5.0, np.array([1.0, 1.0, 0.5])).tolist() == [0, 10, 18, 30]
     assert balanced_split(starts, 2, 5.0).tolist() == [0, 15, 30]
     assert balanced_split(starts, 2, 5.0, np.array([0.5, 1.0, 1.0])).tolist() == [0, 18, 30]
+
+
+def test_short_row_tiles_weigh_their_segments_more():
+    """A row tile of at most SHORT_TILE_UNITS key tiles pays SHORT_SEGMENT_UNITS more a segment: the block that
+    holds two short requests' row tiles takes fewer units than when they weigh as any other, the other blocks
+    more; a batch without short tiles is planned the same either way."""
+    cfg = KernelConfig.for_arch("sm_90")
+    mixed = marshal(synthesize(SynthSpec(preset="kimi-k2-tp8", batch_size=3, prefix_lens=[100, 3, 6000], budget=64, seed=0)))
+    p, p0 = plan(mixed, 8, 16, cfg), plan(mixed, 8, 16, cfg, short_segment_units=0.0)
+    tiles = np.diff(p.arrays["rt_unit_start"].numpy())
+    assert (tiles[:18] <= SHORT_TILE_UNITS).all() and (tiles[18:] > SHORT_TILE_UNITS).all()  # 9 row tiles a request
+    shares, shares0 = (np.diff(q.arrays["cta_unit_start"].numpy()) for q in (p, p0))
+    assert shares[0] < shares0[0] and p.block_segments[0] <= p0.block_segments[0]
+    assert shares[1:].sum() > shares0[1:].sum()
+    long_only = marshal(synthesize(SynthSpec(preset="kimi-k2-tp8", batch_size=2, prefix_lens=[900, 6000], budget=64, seed=0)))
+    q, q0 = plan(long_only, 8, 16, cfg), plan(long_only, 8, 16, cfg, short_segment_units=0.0)
+    assert all(torch.equal(q.arrays[k], q0.arrays[k]) for k in q.arrays)
 
 
 def test_few_row_tiles_are_planned_cheaper_where_the_kernel_runs_them():

@@ -85,6 +85,14 @@ SEGMENT_OVERHEAD_UNITS = 5.0
 # warpgroups split a tile's dims (timed on the H200 at weights 0.3-0.7: 0.6), which a fit over the twelve bench
 # cases puts at 1.36 units of the split-key body: 0.8 of one of those.
 FEW_UNIT_COST = 0.8
+# A row tile of at most SHORT_TILE_UNITS units (512 keys) is short, and its segment is weighed SHORT_SEGMENT_UNITS
+# more: an H200 trace of mixed's short requests on 64-key blocks put a segment of <= 4 units at 14 us, ~4 us above
+# what its units and the other segments' overhead say, and such tiles' units at 2-2.5x a long tile's
+# (scripts/trace_case.py --blocks64, docs/bench/trace-blocks64-h200.*). Timed on mixed (the one bench case with
+# short tiles; the others plan the same): 4-8 units took the split-key body 0.252 -> 0.239-0.242 ms and 64-key
+# blocks 0.262 -> 0.227, 12 units 0.239 (docs/bench/variants-short-segments-h200.log).
+SHORT_TILE_UNITS = 16
+SHORT_SEGMENT_UNITS = 6.0
 FEW_UNIT_COST_DIMS = 0.6
 
 
@@ -132,24 +140,27 @@ def row_tile_key_tiles(
     return torch.clamp(-(-keys // config.bn), min=1)
 
 
-def balanced_split(rt_unit_start: np.ndarray, grid: int, segment_units: float, rt_weight: np.ndarray | None = None) -> np.ndarray:
+def balanced_split(
+    rt_unit_start: np.ndarray, grid: int, segment_units: float | np.ndarray, rt_weight: np.ndarray | None = None
+) -> np.ndarray:
     """Block boundaries [grid + 1] over the units that even out each block's work + segment_units per row tile
-    it starts or continues (0: equal unit counts). A unit of row tile rt is rt_weight[rt] of work (default 1;
-    few-row tiles are cheaper). Every block keeps at least one unit.
+    it starts or continues (0: equal unit counts; an array: each row tile's own). A unit of row tile rt is
+    rt_weight[rt] of work (default 1; few-row tiles are cheaper). Every block keeps at least one unit.
 
-    The cost of units [a, b) is W(b) - W(a) + segment_units, with W(u) = the work of the units before u +
-    segment_units * (row tile of u): equal steps of W give equal costs, and a boundary that falls in the jump
-    between two row tiles lands on the second one's start (no split)."""
+    The cost of units [a, b) is W(b) - W(a) + the segment cost of a's row tile, with W(u) = the work of the units
+    before u + the segment costs of the row tiles after the first, up to u's: equal steps of W give about equal
+    costs, and a boundary that falls in the jump before a row tile lands on its start (no split)."""
     units = int(rt_unit_start[-1])
-    if segment_units <= 0:
-        return np.arange(grid + 1) * units // grid
     starts = rt_unit_start[:-1].astype(np.float64)
+    seg = np.broadcast_to(np.asarray(segment_units, dtype=np.float64), starts.shape)
+    if not (seg > 0).any():
+        return np.arange(grid + 1) * units // grid
     weight = np.ones(len(starts)) if rt_weight is None else np.asarray(rt_weight, dtype=np.float64)
     work = np.diff(rt_unit_start) * weight
-    w_start = np.concatenate([[0.0], np.cumsum(work)[:-1]]) + segment_units * np.arange(
-        len(starts)
-    )  # W at each row tile's first unit
-    w_end = work.sum() + segment_units * (len(starts) - 1)
+    # running sums only (no pairwise np.sum), so the device planner's copy adds in the same order, bit for bit
+    cum, jumps = np.cumsum(work), np.concatenate([[0.0], np.cumsum(seg[1:])])
+    w_start = np.concatenate([[0.0], cum[:-1]]) + jumps  # W at each row tile's first unit
+    w_end = cum[-1] + jumps[-1]
     w = np.arange(1, grid) * (w_end / grid)
     rt = np.searchsorted(w_start, w, side="right") - 1
     inner = np.minimum(rt_unit_start[rt + 1], starts[rt] + np.rint((w - w_start[rt]) / weight[rt])).astype(np.int64)
@@ -170,12 +181,14 @@ def plan(
     few_unit_cost: float | None = None,
     visible_keys: bool = True,
     grid: int | None = None,
+    short_segment_units: float = SHORT_SEGMENT_UNITS,
 ) -> LaunchPlan:
     """Cut the batch into row tiles x key tiles (with `visible_keys`, a row tile's keys end at the last draft key
     its rows may see: `row_tile_key_tiles`; else every row tile takes all its request's keys, which keeps the row
     tiles of equal requests equal) and share the units among the persistent blocks
     (`config.blocks_per_sm` per SM) so that each block's units plus `segment_units` (default
-    SEGMENT_OVERHEAD_UNITS) per segment come out even (`balanced_split`; a request's last row tile costs about as
+    SEGMENT_OVERHEAD_UNITS; a short row tile's `short_segment_units` more; 0: equal unit counts) per segment come
+    out even (`balanced_split`; a request's last row tile costs about as
     much per unit as a full one, measured: weighting it lighter was slower - except a tile of at most
     `config.few_rows` rows, which the few-row segment runs at `few_unit_cost` of a unit; default
     `few_row_weight(config)`).
@@ -203,9 +216,9 @@ def plan(
     grid = max(1, min(num_sms * config.blocks_per_sm, units, units if grid is None else grid))
     few = few_row_weight(config) if few_unit_cost is None else few_unit_cost
     rt_weight = np.where(tile_rows <= config.few_row_limit, few, 1.0)
-    cta_unit_start = balanced_split(
-        rt_unit_start, grid, SEGMENT_OVERHEAD_UNITS if segment_units is None else segment_units, rt_weight
-    )
+    seg_units = SEGMENT_OVERHEAD_UNITS if segment_units is None else segment_units
+    rt_segment = seg_units + np.where((key_tiles <= SHORT_TILE_UNITS) & (seg_units > 0), short_segment_units, 0.0)
+    cta_unit_start = balanced_split(rt_unit_start, grid, rt_segment, rt_weight)
     cta_first_rt = np.searchsorted(rt_unit_start, cta_unit_start[:-1], side="right") - 1
     rt_first_cta = np.searchsorted(cta_unit_start, rt_unit_start[:-1], side="right") - 1
     rt_last_cta = np.searchsorted(cta_unit_start, rt_unit_start[1:] - 1, side="right") - 1
