@@ -75,8 +75,9 @@ def balanced_split_t(
     rt_unit_start: torch.Tensor, grid: int, live: torch.Tensor, rt_segment: torch.Tensor, rt_weight: torch.Tensor
 ) -> torch.Tensor:
     """`kdtree.kernel.balanced_split` over `live` blocks (a device scalar, <= grid), then grid - live empty
-    blocks: [grid + 1] block boundaries. `rt_segment`: each row tile's segment cost (float64, integral values,
-    so the sums are exact in any order and agree with the host's)."""
+    blocks: [grid + 1] block boundaries. `rt_segment`: each row tile's segment cost (float64). Running sums in
+    the host's order: on CPU tensors the boundaries are the host's bit for bit; a GPU's scan may round the
+    few-row weights' sums differently in the last bit."""
     units = rt_unit_start[-1]
     starts = rt_unit_start[:-1].double()
     tiles = starts.numel()

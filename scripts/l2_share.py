@@ -40,6 +40,8 @@ def main():
     )
     ap.add_argument("--segment-units", type=float, default=None, help="with --blocks64: plan(segment_units=...)")
     a = ap.parse_args()
+    if a.segment_units is not None and not a.blocks64:
+        ap.error("--segment-units needs --blocks64 (the cost model's pick plans with the default weights)")
     if a.blocks64:
         config = KernelConfig.blocks64()
         kern = VerifyKernel.get(config)

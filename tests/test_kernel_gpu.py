@@ -243,8 +243,9 @@ def test_the_order_of_a_blocks_segments_changes_no_bits(body):
     """A block runs its last segment first (`KernelConfig.last_segment_first`): the sm_120 configuration and the
     two Hopper configurations the bench cases run, each on its plans at the full grid (tiles split across
     blocks; the fused merge on the mma.sync body, the merge kernel on wgmma), give the bits of the same kernel
-    built to run its segments in unit order - on every shipped capture, fuzz batches and a batch whose blocks
-    each work on two row tiles. o starts poisoned and lse NaN, so a segment left out shows."""
+    built to run its segments in unit order - on every shipped capture, fuzz batches, a batch whose blocks
+    each work on two row tiles and one of short and long requests (blocks with several short segments). o
+    starts poisoned and lse NaN, so a segment left out shows."""
     from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, device_arch, plan
 
     hopper = KernelConfig.candidates("sm_90")

@@ -85,15 +85,14 @@ SEGMENT_OVERHEAD_UNITS = 5.0
 # warpgroups split a tile's dims (timed on the H200 at weights 0.3-0.7: 0.6), which a fit over the twelve bench
 # cases puts at 1.36 units of the split-key body: 0.8 of one of those.
 FEW_UNIT_COST = 0.8
-# A row tile of at most SHORT_TILE_UNITS units (512 keys) is short, and its segment is weighed SHORT_SEGMENT_UNITS
-# more: an H200 trace of mixed's short requests on 64-key blocks put a segment of <= 4 units at 14 us, ~4 us above
-# what its units and the other segments' overhead say, and such tiles' units at 2-2.5x a long tile's
-# (scripts/trace_case.py --blocks64, docs/bench/trace-blocks64-h200.*). Timed on mixed (the one bench case with
-# short tiles; the others plan the same): 4-8 units took the split-key body 0.252 -> 0.239-0.242 ms and 64-key
-# blocks 0.262 -> 0.227, 12 units 0.239 (docs/bench/variants-short-segments-h200.log).
+FEW_UNIT_COST_DIMS = 0.6
+# A row tile of at most SHORT_TILE_UNITS key tiles (512 keys at 32-key tiles) is short: its segment weighs
+# SHORT_SEGMENT_UNITS more. An H200 trace of mixed's short requests on 64-key blocks put a segment of <= 4 units at
+# ~14 us, ~4 us above what its units and a long segment's overhead say (scripts/trace_case.py --blocks64,
+# docs/bench/trace-blocks64-h200.*); 4-8 units timed alike on mixed, the one bench case with short tiles
+# (docs/bench/variants-short-segments-h200.log; docs/history/kernel-notes.md, v24).
 SHORT_TILE_UNITS = 16
 SHORT_SEGMENT_UNITS = 6.0
-FEW_UNIT_COST_DIMS = 0.6
 
 
 def few_row_weight(config: KernelConfig) -> float:
@@ -157,7 +156,7 @@ def balanced_split(
         return np.arange(grid + 1) * units // grid
     weight = np.ones(len(starts)) if rt_weight is None else np.asarray(rt_weight, dtype=np.float64)
     work = np.diff(rt_unit_start) * weight
-    # running sums only (no pairwise np.sum), so the device planner's copy adds in the same order, bit for bit
+    # running sums, in the order the device planner's copy adds them (on CPU tensors the two agree bit for bit)
     cum, jumps = np.cumsum(work), np.concatenate([[0.0], np.cumsum(seg[1:])])
     w_start = np.concatenate([[0.0], cum[:-1]]) + jumps  # W at each row tile's first unit
     w_end = cum[-1] + jumps[-1]
