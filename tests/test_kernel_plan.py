@@ -123,19 +123,20 @@ def test_fused_merge_only_for_short_splits(cap, arch):
 
 def test_the_plan_picks_the_cheaper_configuration_per_batch():
     """By the cost model fitted to H200 runs: on sm_90 (the split-key wgmma body at 64 rows with and without
-    few-row tiles, FlashMLA's schedule on 64-key blocks, mma.sync at 32) the small tree, the 4k batch and mixed keep
-    the split-key body with few-row tiles (0.054 / 0.038 / 0.257 ms against 0.062 / 0.039 / 0.270 on 64-key blocks,
-    whose segments cost more: docs/history/bench/v18-variants-seesaw64-h200.log; mixed by its slowest block, which
-    runs a dozen short segments), the long batches take 64-key blocks (32k x4 1.131 against 1.453 ms; mma.sync at
-    32 rows measured 1.15x a wgmma unit's time); where 64 rows means mma.sync (sm_100), the small tree and the 4k batch take 32
-    rows (v7: 0.088 vs 0.098 ms)."""
-    from kdtree.bench import CASES
+    few-row tiles, FlashMLA's schedule on 64-key blocks, mma.sync at 32) the small tree, the 4k batch and 64 x N1
+    keep the split-key body with few-row tiles (0.054 / 0.038 / 0.095 ms against 0.059 / 0.040 / 0.110 on 64-key
+    blocks, whose segments cost more and are padded to pairs of blocks:
+    docs/bench/variants-b64-segment-weight-h200.log), the other batches take 64-key blocks (32k x4 1.131 against
+    1.453 ms; mixed 0.227 against 0.242, docs/bench/variants-short-segments-main-h200.log; mma.sync at 32 rows
+    measured 1.15x a wgmma unit's time); where 64 rows means mma.sync (sm_100), the small tree and the 4k batch take
+    32 rows (v7: 0.088 vs 0.098 ms)."""
+    from kdtree.bench import ALL_CASES, CASES
     from kdtree.kernel import choose_plan
 
-    def chosen(arch):
+    def chosen(arch, cases=CASES):
         configs = KernelConfig.candidates(arch)
         out = {}
-        for case in CASES:
+        for case in cases:
             cap = synthesize(case.spec(), reference=False)
             c = choose_plan(marshal(cap), cap.meta.num_heads, 132, configs).config
             out[case.name] = (
@@ -150,8 +151,8 @@ def test_the_plan_picks_the_cheaper_configuration_per_batch():
         (False, 32, 0, False),
     ]
     assert KernelConfig.candidates("sm_120") == (KernelConfig(),)
-    hopper = chosen("sm_90")
-    few = [hopper.pop(k) for k in ("kimi-tp8 small tree", "kimi-tp8 ddtree64 4k", "kimi-tp8 mixed")]
+    hopper = chosen("sm_90", ALL_CASES)
+    few = [hopper.pop(k) for k in ("kimi-tp8 small tree", "kimi-tp8 ddtree64 4k", "kimi-tp8 64 x N1 4k")]
     assert few == ["wgmma64-few"] * 3, hopper
     assert set(hopper.values()) == {"wgmma64-b64"}, hopper
     blackwell_dc = chosen("sm_100")
@@ -330,11 +331,12 @@ def test_64_key_block_schedule_needs_the_split_key_layout_and_no_few_row_tiles()
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_the_cost_is_the_slowest_blocks(arch):
     """estimated_cost charges the block that ends the launch: each block's weighted units are its share of the
-    plan's work (they add up to it) and its segments are the row tiles the kernel's walk visits in it; the cost
-    is the largest block's, at least the mean, and a device plan without the per-block figures gets the mean."""
+    plan's work (they add up to it), padded per segment as its body runs it, and its segments are the row tiles the
+    kernel's walk visits in it; the cost is the largest block's, at least the mean, and a device plan without the
+    per-block figures gets the mean."""
     from kdtree.bench import CASES
     from kdtree.kernel import estimated_cost
-    from kdtree.kernel.planner import SEGMENT_COST_PER_ROW, UNIT_COST, cost_kind
+    from kdtree.kernel.planner import SEGMENT_COST_PER_ROW, UNIT_COST, cost_kind, padded_units
 
     for case in CASES:
         cap = synthesize(case.spec(), reference=False)
@@ -344,7 +346,13 @@ def test_the_cost_is_the_slowest_blocks(arch):
             assert np.isclose(p.block_work.sum(), p.work), case.name
             visits = np.bincount([blk for blk, *_ in p.walk()], minlength=p.grid)
             assert (p.block_segments == visits).all(), case.name
-            mean = estimated_cost(dataclasses.replace(p, block_work=None, block_segments=None))
+            # each segment rounded up to its body's step (a 64-key pair of blocks: 4 tiles; a split-key step: 2)
+            pad = padded_units(config)
+            assert (p.block_padded_work >= p.block_work - 1e-9).all(), case.name
+            assert (p.block_padded_work - p.block_work < (pad - 1) * p.block_segments + 1e-9).all(), case.name
+            if pad == 1:
+                assert np.allclose(p.block_padded_work, p.block_work), case.name
+            mean = estimated_cost(dataclasses.replace(p, block_work=None, block_segments=None, block_padded_work=None))
             cost = estimated_cost(p)
             assert cost >= mean * (1 - 1e-9), case.name
             unit = UNIT_COST.get(cost_kind(config), config.bm / 64 * UNIT_COST["mma64"])

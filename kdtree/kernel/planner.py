@@ -42,6 +42,8 @@ class LaunchPlan:
     # row tiles it works on (segments it runs)
     block_work: np.ndarray | None = field(default=None, repr=False)
     block_segments: np.ndarray | None = field(default=None, repr=False)
+    # ... and its weighted units with each segment padded as its body runs it (`padded_units`)
+    block_padded_work: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def split(self) -> bool:
@@ -225,6 +227,16 @@ def plan(
     # each block's weighted units (the weighted work before its bounds, piecewise linear in the unit) and row tiles
     wpos = np.interp(cta_unit_start, rt_unit_start, np.concatenate([[0.0], np.cumsum(key_tiles * rt_weight)]))
     cta_last_rt = np.searchsorted(rt_unit_start, cta_unit_start[1:] - 1, side="right") - 1
+    # every (block, row tile) segment: its block, its row tile, its units
+    counts = cta_last_rt - cta_first_rt + 1
+    seg_block = np.repeat(np.arange(grid), counts)
+    seg_rt = cta_first_rt[seg_block] + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    seg_n = np.minimum(cta_unit_start[seg_block + 1], rt_unit_start[seg_rt + 1]) - np.maximum(
+        cta_unit_start[seg_block], rt_unit_start[seg_rt]
+    )
+    few_tile = tile_rows[seg_rt] <= config.few_row_limit  # (the few-row segment streams single tiles)
+    pad = padded_units(config)
+    padded = np.where(few_tile, seg_n, -(-seg_n // pad) * pad) * rt_weight[seg_rt]
     rt_seg_base = np.concatenate([[0], np.cumsum(np.where(segs > 1, segs, 0))])
     if fused_merge is None:  # not for the wgmma body: its merge kernel was faster (docs/kernel-design.md, "Merge")
         fused_merge = bool(segs.max() <= FUSED_MERGE_SEGS) and not config.wgmma
@@ -257,24 +269,28 @@ def plan(
         config=config,
         arrays={k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int32)) for k, v in arrays.items()},
         block_work=np.diff(wpos),
-        block_segments=cta_last_rt - cta_first_rt + 1,
+        block_segments=counts,
+        block_padded_work=np.bincount(seg_block, weights=padded, minlength=grid),
     )
 
 
-# Relative time of one (row tile, key tile) unit, by kind of segment, and of a segment (prologue, pipeline fill,
-# partial store and merge; about proportional to BM), in units of a wgmma unit (docs/kernel-design.md, "Cost
-# model"): a least-squares fit of time = units * u + segments * s per configuration to the twelve bench cases on
-# the H200 (the wgmma body with split keys, no few-row tiles): u(BM 32) / u(wgmma) = 1.15, s / u = 18.9 at BM 64
-# and 11.6 at BM 32 (0.29 and 0.36 a row); mma.sync at BM 64 measured 1.30-1.34x the dims-split wgmma body's time
-# on the long cases, which is 1.36x the split-key body's.
-# FlashMLA's schedule on 64-key blocks ("wgmma64_b64"), fitted the same way to one H200 run of the twelve:
-# u 0.817 of the split-key body's and s 1.31x (blocks padded to pairs, the prologue waits for two whole blocks).
+# Relative time of one (row tile, key tile) unit, by kind of segment, in units of a wgmma unit
+# (docs/kernel-design.md, "Cost model"): least-squares fits of time = units * u + segments * s to the twelve bench
+# cases on the H200: u(BM 32) / u(wgmma) = 1.15; mma.sync at BM 64 measured 1.30-1.34x the dims-split wgmma body's
+# time on the long cases, which is 1.36x the split-key body's; FlashMLA's schedule on 64-key blocks ("wgmma64_b64")
+# 0.82 of the split-key body's.
 UNIT_COST = {"wgmma64": 1.0, "wgmma64_b64": 0.82, "mma64": 1.8, "mma32": 1.15}
-SEGMENT_COST_PER_ROW = 0.3
-SEGMENT_COST_SCALE = {"wgmma64_b64": 1.31}
+# What a segment adds beyond its units (prologue, pipeline fill, store), a row, in wgmma units, with each segment's
+# units padded as its body runs them (`padded_units`): 9 units a 64-row segment (~12 us at the split-key body's 1.38
+# us a unit), 10 on 64-key blocks (`SEGMENT_COST_SCALE`). From a grid search: they pick the faster Hopper body on
+# the eight bench cases timed on both, with the ratio of the two bodies' times within 6 % rms; an H200 trace puts a
+# long segment's overhead at ~7 us, a short one's at ~14 (docs/kernel-design.md, "Cost model";
+# scripts/choose_check.py times every candidate beside the pick).
+SEGMENT_COST_PER_ROW = 9.0 / 64
+SEGMENT_COST_SCALE = {"wgmma64_b64": 10.0 / 9.0}
 # A split plan of a batch whose pool rows exceed L2 (`choose_plan`): its blocks read the keys at every offset at
 # once, from HBM. Fitted to one H200 pair (DeepSeek-V3 2 x 4,112 rows on 33,025 keys, 76 MB
-# of rows: 1.345 ms balanced over 132 blocks, 1.121 one tile a block on 130; the model alone priced them 881 / 872).
+# of rows: 1.345 ms balanced over 132 blocks, 1.121 one tile a block on 130).
 L2_SPREAD_COST = 0.2
 
 
@@ -283,17 +299,25 @@ def cost_kind(config: KernelConfig) -> str:
     return f"{'wgmma' if config.wgmma else 'mma'}{config.bm}" + ("_b64" if config.wg_blocks64 else "")
 
 
+def padded_units(config: KernelConfig) -> int:
+    """The key tiles a segment of the configuration's body is rounded up to: pairs of 64-key blocks (4 tiles) on
+    FlashMLA's schedule, the two tiles of a 64-key step in the split-key body, single tiles otherwise (the
+    mma.sync and dims-split bodies and the few-row segment)."""
+    return 4 if config.wg_blocks64 else 2 if (config.wgmma and config.wg_split) else 1
+
+
 def estimated_cost(p: LaunchPlan) -> float:
     """A plan's time in wgmma units (for choosing between configurations, not a prediction in ms): its slowest
-    block's, which ends the launch: weighted units x the body's unit cost plus a segment cost for each row tile
-    it works on (a mean over blocks misses short requests crowding many segments into one block). Without the
-    host's per-block figures (a device plan), the mean: total work and partial slots over the grid."""
+    block's, which ends the launch: its weighted units, each segment's padded as its body runs it, x the body's
+    unit cost, plus a segment cost for each row tile it works on (a mean over blocks misses short requests
+    crowding many segments into one block). Without the host's per-block figures (a device plan), the mean:
+    total work and partial slots over the grid."""
     kind = cost_kind(p.config)
     unit = UNIT_COST.get(kind, p.config.bm / 64 * UNIT_COST["mma64"])
     segment = SEGMENT_COST_PER_ROW * p.config.bm * SEGMENT_COST_SCALE.get(kind, 1.0)
-    if p.block_work is None:
+    if p.block_padded_work is None:
         return (p.work * unit + p.segments * segment) / p.grid
-    return float((p.block_work * unit + p.block_segments * segment).max())
+    return float((p.block_padded_work * unit + p.block_segments * segment).max())
 
 
 def pool_row_bytes(args: VerifyArgs) -> int:
