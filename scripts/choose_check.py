@@ -1,6 +1,7 @@
 """Does the cost model pick the fastest configuration? Each batch (bench cases by substring, and fuzz batches by
-seed) planned with every candidate of this GPU's target and timed (median, L2 flushed), beside the one
-`choose_plan` picks; prints one line a batch and the geomean of the pick's time over the fastest, writes
+seed) planned with every candidate of this GPU's target, each on the plan `choose_plan` would make with it alone
+(row tiles to their last visible key or over all keys, one tile a block over L2), and timed (median, L2 flushed),
+beside the one `choose_plan` picks; prints one line a batch and the geomean of the pick's time over the fastest, writes
 choose-check.json to $OUT.
 
 Usage: python3 scripts/choose_check.py [--cases substring ...] [--fuzz N] [--seeds S ...]   (needs a GPU)
@@ -16,7 +17,7 @@ import triton.testing
 
 from kdtree import bench
 from kdtree.fuzz import fuzz_spec
-from kdtree.kernel import KernelConfig, VerifyKernel, device_arch, plan
+from kdtree.kernel import KernelConfig, VerifyKernel, device_arch
 from kdtree.kernel.planner import choose_plan, estimated_cost
 from kdtree.marshal import marshal
 from kdtree.synth import synthesize
@@ -51,8 +52,8 @@ def main():
         args, H = marshal(cap), cap.meta.num_heads
         pick = choose_plan(args, H, kerns[configs[0]].num_sms, configs, l2_bytes=l2)
         times = {}
-        for c, kern in kerns.items():
-            p = pick if c == pick.config else plan(args, H, kern.num_sms, c)
+        for c, kern in kerns.items():  # each configuration on the plan the cost model would run it with
+            p = pick if c == pick.config else choose_plan(args, H, kern.num_sms, (c,), l2_bytes=l2)
             times[name_of(c)] = time_plan(kern, cap, args, p)
         picked = name_of(pick.config)
         fastest = min(times, key=times.get)

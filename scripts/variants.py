@@ -58,7 +58,8 @@ VARIANTS = {
     "no_fast_mask": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 0),)), {}),
     # FlashMLA's schedule on 64-key blocks (verify_segment_seesaw64; no few-row tiles beside it)
     "wgmma_seesaw64": (KernelConfig.blocks64(), {}),
-    # ... placed with a segment weighed n units (its segments cost 1.31 / 0.82 = 1.6x more in its own units: 8), a short
+    # ... placed with a segment weighed n units (the cost model's segment is 10/9 / 0.82 = 1.35x a split-key one in its
+    # own units), a short
     # row tile's SHORT_SEGMENT_UNITS more (plan's default)
     **{
         f"wgmma_seesaw64_seg{n}": (

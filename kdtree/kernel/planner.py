@@ -276,14 +276,15 @@ def plan(
 
 # Relative time of one (row tile, key tile) unit, by kind of segment, in units of a wgmma unit
 # (docs/kernel-design.md, "Cost model"): least-squares fits of time = units * u + segments * s to the twelve bench
-# cases on the H200: u(BM 32) / u(wgmma) = 1.15; mma.sync at BM 64 measured 1.30-1.34x the dims-split wgmma body's
-# time on the long cases, which is 1.36x the split-key body's; FlashMLA's schedule on 64-key blocks ("wgmma64_b64")
-# 0.82 of the split-key body's.
+# cases on the H200, over unpadded units (`estimated_cost` applies them to padded ones): u(BM 32) / u(wgmma) = 1.15;
+# mma.sync at BM 64 measured 1.30-1.34x the dims-split wgmma body's time on the long cases, which is 1.36x the
+# split-key body's; FlashMLA's schedule on 64-key blocks ("wgmma64_b64") 0.82 of the split-key body's.
 UNIT_COST = {"wgmma64": 1.0, "wgmma64_b64": 0.82, "mma64": 1.8, "mma32": 1.15}
 # What a segment adds beyond its units (prologue, pipeline fill, store), a row, in wgmma units, with each segment's
 # units padded as its body runs them (`padded_units`): 9 units a 64-row segment (~12 us at the split-key body's 1.38
-# us a unit), 10 on 64-key blocks (`SEGMENT_COST_SCALE`). From a grid search: they pick the faster Hopper body on
-# the eight bench cases timed on both, with the ratio of the two bodies' times within 6 % rms; an H200 trace puts a
+# us a unit), 10 on 64-key blocks (`SEGMENT_COST_SCALE`). From a grid search: on each body's default plan they pick
+# the faster Hopper body on the eight bench cases timed on both, the ratio of the two bodies' times within 6 % rms
+# (docs/kernel-design.md, "Cost model", for the metric); an H200 trace puts a
 # long segment's overhead at ~7 us, a short one's at ~14 (docs/kernel-design.md, "Cost model";
 # scripts/choose_check.py times every candidate beside the pick).
 SEGMENT_COST_PER_ROW = 9.0 / 64
@@ -311,7 +312,7 @@ def estimated_cost(p: LaunchPlan) -> float:
     block's, which ends the launch: its weighted units, each segment's padded as its body runs it, x the body's
     unit cost, plus a segment cost for each row tile it works on (a mean over blocks misses short requests
     crowding many segments into one block). Without the host's per-block figures (a device plan), the mean:
-    total work and partial slots over the grid."""
+    total work (unpadded: the device plan does not know its segments) and partial slots over the grid."""
     kind = cost_kind(p.config)
     unit = UNIT_COST.get(kind, p.config.bm / 64 * UNIT_COST["mma64"])
     segment = SEGMENT_COST_PER_ROW * p.config.bm * SEGMENT_COST_SCALE.get(kind, 1.0)
