@@ -145,7 +145,11 @@ def plan_on_device(
     weight = few_row_weight(cfg) if few_unit_cost is None else few_unit_cost
     few = torch.ones(R, dtype=torch.float64, device=dev).masked_fill(tile_rows <= cfg.few_row_limit, weight)
     rt_segment = segment_units + (key_tiles <= SHORT_TILE_UNITS).double() * (short_segment_units if segment_units > 0 else 0.0)
-    cta_unit_start = balanced_split_t(rt_unit_start, shape.grid, live, rt_segment, few)
+    if segment_units > 0:
+        cta_unit_start = balanced_split_t(rt_unit_start, shape.grid, live, rt_segment, few)
+    else:  # equal unit counts over the live blocks, as the host's balanced_split gives them
+        idx = torch.arange(shape.grid + 1, device=dev)
+        cta_unit_start = torch.where(idx >= live, units, idx * units // live)
     cta_first_rt = (torch.searchsorted(rt_unit_start, cta_unit_start[:-1], right=True) - 1).clamp(max=R - 1)
     rt_first_cta = torch.searchsorted(cta_unit_start, rt_unit_start[:-1], right=True) - 1
     rt_last_cta = torch.searchsorted(cta_unit_start, rt_unit_start[1:] - 1, right=True) - 1

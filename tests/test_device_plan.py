@@ -20,11 +20,11 @@ CONFIGS = {
 }
 
 
-def check_same(args, heads, cfg, grid):
+def check_same(args, heads, cfg, grid, **weights):
     n = int(args.max_num_draft)
     shape = PlanShape(args.batch_size, n, heads, cfg, grid)
-    want = plan(args, heads, grid, cfg, fused_merge=False, visible_keys=shape.visible_keys)  # grid blocks
-    got = plan_on_device(args.qo_indptr, args.combined_kv_indptr, args.prefix_lens, args.tree_mask, shape)
+    want = plan(args, heads, grid, cfg, fused_merge=False, visible_keys=shape.visible_keys, **weights)  # grid blocks
+    got = plan_on_device(args.qo_indptr, args.combined_kv_indptr, args.prefix_lens, args.tree_mask, shape, **weights)
     g = want.grid
     for name in ("rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base", "row_merge"):
         assert torch.equal(got.arrays[name], want.arrays[name]), name
@@ -45,6 +45,21 @@ def test_device_plan_matches_the_host_plan_on_the_shipped_captures(path, cfg):
     args = marshal(cap)
     for grid in (1, 7, 132, 5000):
         check_same(args, cap.meta.num_heads, CONFIGS[cfg], grid)
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [dict(segment_units=0.0), dict(segment_units=10.0, short_segment_units=0.0), dict(short_segment_units=12.0)],
+    ids=["equal-shares", "heavy-segments", "heavy-short-tiles"],
+)
+def test_device_plan_matches_with_other_segment_weights(weights):
+    """The two planners agree with other segment weights too, equal unit counts (segment_units 0) among them, on
+    a batch of short and long requests whose row tiles mix weights (few-row and short tiles)."""
+    cap = small(seed=3, batch_size=4, prefix_lens=[100, 3, 2500, 700], budget=16)
+    args = marshal(cap)
+    for cfg in CONFIGS.values():
+        for grid in (7, 132):
+            check_same(args, cap.meta.num_heads, cfg, grid, **weights)
 
 
 @pytest.mark.parametrize("seed", range(6))
