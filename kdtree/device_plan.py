@@ -144,8 +144,8 @@ def plan_on_device(
         live = torch.where(whole, torch.full_like(live, R), live)
     weight = few_row_weight(cfg) if few_unit_cost is None else few_unit_cost
     few = torch.ones(R, dtype=torch.float64, device=dev).masked_fill(tile_rows <= cfg.few_row_limit, weight)
-    rt_segment = segment_units + (key_tiles <= SHORT_TILE_UNITS).double() * (short_segment_units if segment_units > 0 else 0.0)
     if segment_units > 0:
+        rt_segment = segment_units + (key_tiles <= SHORT_TILE_UNITS).double() * short_segment_units
         cta_unit_start = balanced_split_t(rt_unit_start, shape.grid, live, rt_segment, few)
     else:  # equal unit counts over the live blocks, as the host's balanced_split gives them
         idx = torch.arange(shape.grid + 1, device=dev)

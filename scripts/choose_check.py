@@ -27,12 +27,8 @@ def name_of(config: KernelConfig) -> str:
     return "b64" if config.wg_blocks64 else "few" if config.few_rows else "nofew" if config.wgmma else f"mma{config.bm}"
 
 
-def time_plan(kern, cap, args, p) -> float:
-    dev = args.to("cuda")
-    q, pool = cap.layer(cap.meta.layer_ids[0]).q.cuda(), cap.pool(cap.meta.layer_ids[0], "cuda")
-    p = p.to("cuda")
-    o, lse, ws = bench.launch_outputs(cap, p)
-    return triton.testing.do_bench(lambda: kern.launch(p, dev, q, pool, o, lse, ws), warmup=10, rep=50, return_mode="median")
+def median_ms(kern, run: bench.CaseLaunch) -> float:
+    return triton.testing.do_bench(lambda: run.launch(kern), warmup=10, rep=50, return_mode="median")
 
 
 def main():
@@ -50,11 +46,13 @@ def main():
     for name, spec in batches:
         cap = synthesize(spec, reference=False)
         args, H = marshal(cap), cap.meta.num_heads
+        dev, lid = args.to("cuda"), cap.meta.layer_ids[0]
+        q, pool = cap.layer(lid).q.cuda(), cap.pool(lid, "cuda")
         pick = choose_plan(args, H, kerns[configs[0]].num_sms, configs, l2_bytes=l2)
         times = {}
         for c, kern in kerns.items():  # each configuration on the plan the cost model would run it with
-            p = pick if c == pick.config else choose_plan(args, H, kern.num_sms, (c,), l2_bytes=l2)
-            times[name_of(c)] = time_plan(kern, cap, args, p)
+            p = (pick if c == pick.config else choose_plan(args, H, kern.num_sms, (c,), l2_bytes=l2)).to("cuda")
+            times[name_of(c)] = median_ms(kern, bench.CaseLaunch(cap, p, dev, q, pool, *bench.launch_outputs(cap, p)))
         picked = name_of(pick.config)
         fastest = min(times, key=times.get)
         ratios.append(times[picked] / times[fastest])

@@ -59,8 +59,7 @@ VARIANTS = {
     # FlashMLA's schedule on 64-key blocks (verify_segment_seesaw64; no few-row tiles beside it)
     "wgmma_seesaw64": (KernelConfig.blocks64(), {}),
     # ... placed with a segment weighed n units (the cost model's segment is 10/9 / 0.82 = 1.35x a split-key one in its
-    # own units), a short
-    # row tile's SHORT_SEGMENT_UNITS more (plan's default)
+    # own units), a short row tile's SHORT_SEGMENT_UNITS more (plan's default)
     **{
         f"wgmma_seesaw64_seg{n}": (
             KernelConfig.blocks64(),
