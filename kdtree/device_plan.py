@@ -8,11 +8,10 @@ blocks); a batch with fewer work units than blocks leaves the trailing blocks em
 the unit count; the kernel's loop does not run for them), and so does one with fewer row tiles than blocks whose
 pool rows exceed the L2 (`PlanShape.l2_bytes`) and whose longest tile is within `L2_SPREAD_COST` of a block's
 balanced share: it runs one tile a block, as `kdtree.kernel.choose_plan` would plan it. Row tiles are
-never split across an empty block, so the partial slots are those `kdtree.kernel.plan` would give. The
-arithmetic is the host planner's in float64; where a boundary lands on a float rounding of the balanced
-work, a different order of summation (torch's, the GPU's) can move it by one unit, which changes the balance
-but no output (`tests/test_device_plan.py`: the same arrays on the shipped captures, and a valid plan - every
-unit once, slots unique and within `max_segments` - on random batches). The fused merge is off (the merge
+never split across an empty block, so the partial slots are those `kdtree.kernel.plan` would give. The split
+sums its weights as integer ticks (`kdtree.kernel.planner.SPLIT_TICKS`), so on any device the arrays are the
+host planner's bit for bit where the grids and `visible_keys` agree (`tests/test_device_plan.py`: the shipped
+captures and random batches on the CPU, and on a GPU in the GPU suite). The fused merge is off (the merge
 kernel runs and skips rows that were not split).
 """
 
@@ -32,7 +31,7 @@ from kdtree.kernel import (
     few_row_weight,
     row_tile_key_tiles,
 )
-from kdtree.kernel.planner import L2_SPREAD_COST, POOL_ROW_BYTES
+from kdtree.kernel.planner import L2_SPREAD_COST, POOL_ROW_BYTES, SPLIT_TICKS, split_ticks
 
 
 @dataclass(frozen=True)
@@ -75,21 +74,20 @@ def balanced_split_t(
     rt_unit_start: torch.Tensor, grid: int, live: torch.Tensor, rt_segment: torch.Tensor, rt_weight: torch.Tensor
 ) -> torch.Tensor:
     """`kdtree.kernel.balanced_split` over `live` blocks (a device scalar, <= grid), then grid - live empty
-    blocks: [grid + 1] block boundaries. `rt_segment`: each row tile's segment cost (float64). Running sums in
-    the host's order: on CPU tensors the boundaries are the host's bit for bit; a GPU's scan may round the
-    few-row weights' sums differently in the last bit."""
+    blocks: [grid + 1] block boundaries. `rt_segment` and `rt_weight`: each row tile's segment cost and unit
+    weight in ticks (int64, `kdtree.kernel.planner.SPLIT_TICKS`): integer sums, so the boundaries are the host's
+    bit for bit on any device."""
     units = rt_unit_start[-1]
-    starts = rt_unit_start[:-1].double()
+    starts = rt_unit_start[:-1]
     tiles = starts.numel()
-    work = (rt_unit_start[1:] - rt_unit_start[:-1]).double() * rt_weight
+    work = (rt_unit_start[1:] - rt_unit_start[:-1]) * rt_weight
     cum, jumps = torch.cumsum(work, 0), torch.cat([work.new_zeros(1), torch.cumsum(rt_segment[1:], 0)])
     w_start = torch.cat([work.new_zeros(1), cum[:-1]]) + jumps
-    w_end = cum[-1] + jumps[-1]
     dev = rt_unit_start.device
-    w = torch.arange(1, grid, device=dev, dtype=torch.float64) * (w_end / live.double())
+    w = torch.arange(1, grid, device=dev) * (cum[-1] + jumps[-1]) // live
     rt = (torch.searchsorted(w_start, w, right=True) - 1).clamp(0, tiles - 1)
-    inner = torch.minimum(rt_unit_start[rt + 1].double(), starts[rt] + torch.round((w - w_start[rt]) / rt_weight[rt]))
-    bounds = torch.cat([units.new_zeros(1), inner.long(), units.view(1)])
+    inner = torch.minimum(rt_unit_start[rt + 1], starts[rt] + (2 * (w - w_start[rt]) + rt_weight[rt]) // (2 * rt_weight[rt]))
+    bounds = torch.cat([units.new_zeros(1), inner, units.view(1)])
     idx = torch.arange(grid + 1, device=dev)
     bounds = torch.cummax(bounds.clamp(min=0) - idx, 0).values + idx  # strictly increasing ...
     bounds = torch.minimum(bounds, units - live + idx)  # ... every live block keeps a unit
@@ -143,9 +141,11 @@ def plan_on_device(
         whole = over & (key_tiles.max() * shape.grid < (1 + L2_SPREAD_COST) * units)
         live = torch.where(whole, torch.full_like(live, R), live)
     weight = few_row_weight(cfg) if few_unit_cost is None else few_unit_cost
-    few = torch.ones(R, dtype=torch.float64, device=dev).masked_fill(tile_rows <= cfg.few_row_limit, weight)
+    few = torch.full((R,), SPLIT_TICKS, dtype=torch.int64, device=dev)
+    few = few.masked_fill(tile_rows <= cfg.few_row_limit, int(split_ticks(weight)))
     if segment_units > 0:
-        rt_segment = segment_units + (key_tiles <= SHORT_TILE_UNITS).double() * short_segment_units
+        seg, short = int(split_ticks(segment_units)), int(split_ticks(short_segment_units))
+        rt_segment = seg + (key_tiles <= SHORT_TILE_UNITS).long() * short
         cta_unit_start = balanced_split_t(rt_unit_start, shape.grid, live, rt_segment, few)
     else:  # equal unit counts over the live blocks, as the host's balanced_split gives them
         idx = torch.arange(shape.grid + 1, device=dev)

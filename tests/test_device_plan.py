@@ -20,11 +20,13 @@ CONFIGS = {
 }
 
 
-def check_same(args, heads, cfg, grid, **weights):
+def check_same(args, heads, cfg, grid, device="cpu", **weights):
+    """The device planner (its tensors on `device`) gives the host planner's arrays."""
     n = int(args.max_num_draft)
     shape = PlanShape(args.batch_size, n, heads, cfg, grid)
     want = plan(args, heads, grid, cfg, fused_merge=False, visible_keys=shape.visible_keys, **weights)  # grid blocks
-    got = plan_on_device(args.qo_indptr, args.combined_kv_indptr, args.prefix_lens, args.tree_mask, shape, **weights)
+    d = args.to(device)
+    got = plan_on_device(d.qo_indptr, d.combined_kv_indptr, d.prefix_lens, d.tree_mask, shape, **weights).to("cpu")
     g = want.grid
     for name in ("rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base", "row_merge"):
         assert torch.equal(got.arrays[name], want.arrays[name]), name
@@ -72,6 +74,25 @@ def test_device_plan_matches_on_fresh_batches(seed):
     cap = small(seed=seed, tree="chain", num_draft_tokens=n, batch_size=len(prefixes), prefix_lens=prefixes, budget=None)
     for cfg in CONFIGS.values():
         check_same(marshal(cap), cap.meta.num_heads, cfg, int(rng.integers(1, 300)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(8))
+def test_device_plan_matches_the_host_plan_on_the_gpu(seed):
+    """On CUDA tensors too (the serving path's): a GPU's scans add in another order than the host's, and the
+    split's integer ticks make that order irrelevant. Batches with few-row and short row tiles (weights that are
+    not whole units) and every segment weighting."""
+    import numpy as np
+
+    rng = np.random.default_rng(200 + seed)
+    n = int(rng.choice([9, 17, 33, 65, 129]))
+    prefixes = [int(x) for x in rng.integers(0, 6000, int(rng.integers(2, 24)))]
+    prefixes[0] = int(rng.integers(0, 200))  # a short row tile
+    cap = small(seed=seed, batch_size=len(prefixes), prefix_lens=prefixes, num_draft_tokens=n, budget=None)
+    args = marshal(cap)
+    for cfg in CONFIGS.values():
+        for weights in ({}, dict(segment_units=0.0), dict(segment_units=10.0, short_segment_units=0.0)):
+            check_same(args, cap.meta.num_heads, cfg, int(rng.integers(7, 300)), "cuda", **weights)
 
 
 def check_valid(p, shape):

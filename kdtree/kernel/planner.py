@@ -141,30 +141,40 @@ def row_tile_key_tiles(
     return torch.clamp(-(-keys // config.bn), min=1)
 
 
+# The split's weights count in ticks, integer thousandths of a unit: every running sum and quotient is int64
+# arithmetic, exact on any device, so the device planner's boundaries are the host's whatever order its scan adds.
+SPLIT_TICKS = 1000
+
+
+def split_ticks(x) -> np.ndarray:
+    """Weights (units) as int64 ticks of 1/SPLIT_TICKS unit, rounded to the nearest."""
+    return np.rint(np.asarray(x, dtype=np.float64) * SPLIT_TICKS).astype(np.int64)
+
+
 def balanced_split(
     rt_unit_start: np.ndarray, grid: int, segment_units: float | np.ndarray, rt_weight: np.ndarray | None = None
 ) -> np.ndarray:
     """Block boundaries [grid + 1] over the units that even out each block's work + segment_units per row tile
     it starts or continues (0: equal unit counts; an array: each row tile's own). A unit of row tile rt is
-    rt_weight[rt] of work (default 1; few-row tiles are cheaper). Every block keeps at least one unit.
+    rt_weight[rt] of work (default 1; few-row tiles are cheaper). Every block keeps at least one unit. Weights
+    are rounded to ticks (`SPLIT_TICKS`) and summed as integers.
 
     The cost of units [a, b) is W(b) - W(a) + the segment cost of a's row tile, with W(u) = the work of the units
     before u + the segment costs of the row tiles after the first, up to u's: equal steps of W give about equal
     costs, and a boundary that falls in the jump before a row tile lands on its start (no split)."""
     units = int(rt_unit_start[-1])
-    starts = rt_unit_start[:-1].astype(np.float64)
-    seg = np.broadcast_to(np.asarray(segment_units, dtype=np.float64), starts.shape)
+    starts = rt_unit_start[:-1].astype(np.int64)
+    seg = np.broadcast_to(split_ticks(segment_units), starts.shape)
     if not (seg > 0).any():
         return np.arange(grid + 1) * units // grid
-    weight = np.ones(len(starts)) if rt_weight is None else np.asarray(rt_weight, dtype=np.float64)
-    work = np.diff(rt_unit_start) * weight
-    # running sums, in the order the device planner's copy adds them (on CPU tensors the two agree bit for bit)
-    cum, jumps = np.cumsum(work), np.concatenate([[0.0], np.cumsum(seg[1:])])
-    w_start = np.concatenate([[0.0], cum[:-1]]) + jumps  # W at each row tile's first unit
-    w_end = cum[-1] + jumps[-1]
-    w = np.arange(1, grid) * (w_end / grid)
+    weight = np.full(len(starts), SPLIT_TICKS) if rt_weight is None else split_ticks(rt_weight)
+    work = np.diff(rt_unit_start).astype(np.int64) * weight
+    cum, jumps = np.cumsum(work), np.concatenate([[0], np.cumsum(seg[1:])])
+    w_start = np.concatenate([[0], cum[:-1]]) + jumps  # W at each row tile's first unit
+    w = np.arange(1, grid) * (cum[-1] + jumps[-1]) // grid
     rt = np.searchsorted(w_start, w, side="right") - 1
-    inner = np.minimum(rt_unit_start[rt + 1], starts[rt] + np.rint((w - w_start[rt]) / weight[rt])).astype(np.int64)
+    # the nearest unit to w in row tile rt (halves up), never past the tile's end
+    inner = np.minimum(rt_unit_start[rt + 1], starts[rt] + (2 * (w - w_start[rt]) + weight[rt]) // (2 * weight[rt]))
     bounds = np.concatenate([[0], inner, [units]])
     idx = np.arange(grid + 1)
     bounds = np.maximum.accumulate(np.maximum(bounds, 0) - idx) + idx  # strictly increasing ...
