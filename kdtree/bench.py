@@ -2,7 +2,9 @@
 torch implementation, **in the same run**, with the roofline from ceilings measured in that run.
 
 Timing: `triton.testing.do_bench` medians (it flushes L2 before every repetition), inputs rotated among
-several copies so repeated runs do not measure the cache. FLOPs are the dense count
+several copies so repeated runs do not measure the cache. kdtree's launch and SGLang's kernel are replayed from
+CUDA graphs, one a copy, as a server replays its verify step (`graphed`: on a small batch the host's launch
+overhead would otherwise be timed in place of the kernel); torch and FlashInfer run eagerly. FLOPs are the dense count
 sum_b 2 * N * H * (prefix_b + N) * (576 + 512); bytes are q + o + the pool rows the step reads. The kernel's
 gather rate counts the pool rows its plan loads into shared memory (a row once for every row tile that reads it),
 held against the L2 gather ceiling (kdtree.ceilings).
@@ -141,6 +143,25 @@ def cycling(sets, step):
     return lambda: step(*next(it))
 
 
+def graphed(sets, step):
+    """(fn, how): fn() replays, in turn, one CUDA graph a rotated input set, each holding step(q, pool), as a
+    server replays its verify step: the host's launch overhead, which on a small batch can exceed the kernel's own
+    time, stays out of the timing. Where capture fails, fn calls step eagerly (`cycling`) and `how` says why."""
+    from kdtree.serving import captured
+
+    try:
+        graphs = [captured(lambda q=q, pool=pool: step(q, pool)) for q, pool in sets]
+    except Exception as e:  # noqa: BLE001 - time it eagerly; the record says why
+        return cycling(sets, step), f"eager (graph capture failed: {type(e).__name__}: {e})"
+    it = itertools.cycle(graphs)
+
+    def replay():
+        next(it).replay()
+
+    replay.holds = (step, sets)  # the graphs read the tensors these hold (plan, outputs, inputs): keep them alive
+    return replay, "cuda graph"
+
+
 def launch_outputs(cap: Capture, p, device="cuda"):
     """(o [T, H, 512] bf16, lse [T, H], workspace): what a launch of plan `p` on `cap`'s batch writes."""
     from kdtree.kernel import Workspace
@@ -183,8 +204,9 @@ def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
     p = kern.plan(args, cap.meta.num_heads).to("cuda")
     dev = args.to("cuda")
     o, lse, ws = launch_outputs(cap, p)
-    fn = cycling(sets, lambda q, pool: kern.launch(p, dev, q, pool, o, lse, ws))
+    fn, how = graphed(sets, lambda q, pool: kern.launch(p, dev, q, pool, o, lse, ws))
     info = {
+        "launch": how,
         "grid": p.grid,
         "units": p.units,
         "gathered_bytes": gathered_bytes(p.units, p.config.bn),
@@ -229,7 +251,8 @@ def sglang_fn(cap: Capture, args: VerifyArgs, sets, extend_attention_fwd):
     from kdtree.sglang import verify_call
 
     call, o = verify_call(cap, cap.meta.layer_ids[0], extend_attention_fwd)
-    return cycling(sets, call), o, {}
+    fn, how = graphed(sets, call)
+    return fn, o, {"launch": how}
 
 
 def flashinfer_fn(cap: Capture, args: VerifyArgs, sets, flashinfer):

@@ -263,6 +263,44 @@ def test_timed_calls_cycle_through_the_input_sets():
     assert seen == [(f"q{i % 3}", f"pool{i % 3}") for i in range(7)]
 
 
+def test_graphed_timing_falls_back_to_eager_calls_where_capture_fails():
+    """Without a GPU (or where a step cannot be captured) the timed calls run the step eagerly, still cycling
+    through the input sets, and the record says why."""
+    from kdtree.bench import graphed
+
+    if torch.cuda.is_available():
+        pytest.skip("capture works here: the GPU test replays the graphs")
+    seen = []
+    fn, how = graphed([("q0", "pool0"), ("q1", "pool1")], lambda q, pool: seen.append((q, pool)))
+    for _ in range(3):
+        fn()
+    assert seen == [("q0", "pool0"), ("q1", "pool1"), ("q0", "pool0")]
+    assert how.startswith("eager (graph capture failed:")
+
+
+@pytest.mark.gpu
+def test_graphed_replays_keep_what_their_kernels_read_alive():
+    """The graphs read tensors that only the step references (a plan, outputs): replayed after the caller dropped
+    its references and the allocator handed their memory out again, they still read and write the right ones."""
+    from kdtree.bench import graphed
+
+    def make():
+        src = [torch.full((1 << 20,), float(i + 1), device="cuda") for i in range(2)]
+        out = torch.zeros(1 << 20, device="cuda")
+        scale = torch.tensor([3.0], device="cuda")  # referenced by the step alone
+        fn, how = graphed([(s, None) for s in src], lambda q, pool: torch.mul(q, scale, out=out))
+        return fn, how, out
+
+    fn, how, out = make()
+    assert how == "cuda graph"
+    junk = [torch.full((1 << 20,), -7.0, device="cuda") for _ in range(8)]  # reuses freed blocks, if any were
+    for i in range(4):
+        fn()
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.full_like(out, 3.0 * (i % 2 + 1)))
+    del junk
+
+
 def test_few_row_units_are_weighed_by_the_body_that_runs_them():
     """A few-row unit costs 0.8 of a split-key wgmma unit and 0.6 of a dims-split one (their measured ratios): each
     body's plans balance its own weight, unless one is given."""
