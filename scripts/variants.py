@@ -70,6 +70,10 @@ VARIANTS = {
     # ... and with a short row tile's segment (at most SHORT_TILE_UNITS units) weighed n units more than a segment
     # (default SHORT_SEGMENT_UNITS; 0: as any other)
     **{f"wgmma_seesaw64_short{n}": (KernelConfig.blocks64(), {"short_segment_units": float(n)}) for n in (0, 4, 6, 8, 12)},
+    **{
+        f"wgmma_seesaw64_seg{n}_short{m}": (KernelConfig.blocks64(), {"segment_units": float(n), "short_segment_units": float(m)})
+        for n, m in ((6, 8), (7, 8))
+    },
     **{f"wgmma_short{n}": (KernelConfig.for_arch("sm_90a"), {"short_segment_units": float(n)}) for n in (0, 4, 8)},
     "bm32_short0": (KernelConfig(), {"short_segment_units": 0.0}),
     # k whole row tiles a block (the grid cut to ceil(row tiles / k)) instead of the batch balanced over every block;
