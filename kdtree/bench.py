@@ -137,6 +137,12 @@ def rotations(cap: Capture, copies: int):
     return sets
 
 
+def rotation_copies(nbytes: float, min_rotation_bytes: float = 3 * 60e6) -> int:
+    """How many input copies a case rotates through: enough that together they pass `min_rotation_bytes` (3x the
+    H200's L2 by default), 1 to 6."""
+    return max(1, min(6, math.ceil(min_rotation_bytes / max(nbytes, 1))))
+
+
 def cycling(sets, step):
     """fn() calling step(q, pool) on the next of the rotated input sets each time (each timed call reads
     other inputs than the last)."""
@@ -314,8 +320,7 @@ def run(
         args = marshal(cap)
         flops, nbytes = case_flops(cap), case_bytes(cap)
         floor_ms = max(flops / (ceilings["matmul_bf16_tflops"] * 1e9), nbytes / (ceilings["copy_tbps"] * 1e9))
-        copies = max(1, min(6, math.ceil(min_rotation_bytes / max(nbytes, 1))))
-        sets = rotations(cap, copies)
+        sets = rotations(cap, rotation_copies(nbytes, min_rotation_bytes))
         r = CaseResult(
             case.name, cap.batch_size, cap.prefix_lens.tolist(), case.num_draft, cap.meta.num_heads, flops, nbytes, floor_ms
         )
@@ -342,7 +347,7 @@ def run(
             k["fraction_of"] = ceiling_fractions(k["tflops"], ceilings) | gather_fraction(k["gather_tbps"], k["stages"], ceilings)
         results.append(r)
         log(format_row(r))
-        sets = outs = None  # free this case's tensors before the next
+        sets = outs = fn = out = None  # free this case's tensors and graphs before the next
         torch.cuda.empty_cache()
     return {
         "device": torch.cuda.get_device_name(),

@@ -141,10 +141,11 @@ def plan_on_device(
         whole = over & (key_tiles.max() * shape.grid < (1 + L2_SPREAD_COST) * units)
         live = torch.where(whole, torch.full_like(live, R), live)
     weight = few_row_weight(cfg) if few_unit_cost is None else few_unit_cost
-    few = torch.full((R,), SPLIT_TICKS, dtype=torch.int64, device=dev)
-    few = few.masked_fill(tile_rows <= cfg.few_row_limit, int(split_ticks(weight)))
-    if segment_units > 0:
-        seg, short = int(split_ticks(segment_units)), int(split_ticks(short_segment_units))
+    few_ticks, seg, short = (int(split_ticks(x)) for x in (weight, segment_units, short_segment_units))
+    if few_ticks <= 0 or seg < 0 or short < 0:
+        raise ValueError("plan_on_device: a unit's weight must be at least one tick and segment costs not negative")
+    few = torch.full((R,), SPLIT_TICKS, dtype=torch.int64, device=dev).masked_fill(tile_rows <= cfg.few_row_limit, few_ticks)
+    if seg > 0:
         rt_segment = seg + (key_tiles <= SHORT_TILE_UNITS).long() * short
         cta_unit_start = balanced_split_t(rt_unit_start, shape.grid, live, rt_segment, few)
     else:  # equal unit counts over the live blocks, as the host's balanced_split gives them

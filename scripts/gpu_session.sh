@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then   # carried wheels (SGLang and what its import chain needs)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
-elif [ -f .whl/site312.tar.xz ]; then    # ... or those wheels installed here for cp312 and packed (xz: 15 MB, not 26)
+elif [ -f .whl/site312.tar.xz ]; then    # ... or those wheels installed here for cp312 and packed (xz: 17 MB, not 50; scripts/pack_sglang.sh)
   mkdir -p /tmp/site && tar -xJf .whl/site312.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site
 fi
 # the repository, and tests/ for the sgl_kernel stand-in (tests/sglang_harness) the sglang-* scripts import

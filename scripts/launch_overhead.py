@@ -30,22 +30,25 @@ def main():
     for case in bench.select_cases(a.cases, probes=True):
         cap = synthesize(case.spec(), reference=False)
         args = marshal(cap)
-        sets = bench.rotations(cap, 6)
+        sets = bench.rotations(cap, bench.rotation_copies(bench.case_bytes(cap)))
         kern = VerifyKernel.get()
         p = kern.plan(args, cap.meta.num_heads).to("cuda")
         dev = args.to("cuda")
         o, lse, ws = bench.launch_outputs(cap, p)
         step = lambda q, pool: kern.launch(p, dev, q, pool, o, lse, ws)  # noqa: E731
-        fns = {"kdtree eager": bench.cycling(sets, step), "kdtree graph": bench.graphed(sets, step)[0]}
+        fns = {"kdtree eager": bench.cycling(sets, step)}
+        fns["kdtree graph"], how = bench.graphed(sets, step)
         if ext is not None:
             call, _ = verify_call(cap, cap.meta.layer_ids[0], ext)
-            fns |= {"sglang eager": bench.cycling(sets, call), "sglang graph": bench.graphed(sets, call)[0]}
+            fns["sglang eager"] = bench.cycling(sets, call)
+            fns["sglang graph"], how_sglang = bench.graphed(sets, call)
+            how = how if how == how_sglang else f"kdtree {how}, sglang {how_sglang}"
         for fn in fns.values():
             fn()
         torch.cuda.synchronize()
         times = {k: [ms(fn) for _ in range(a.repeat)] for k, fn in fns.items()}
         line = "  ".join(f"{k} {min(v):.4f}-{max(v):.4f}" for k, v in times.items())
-        print(f"{case.name:28s} {line}", flush=True)
+        print(f"{case.name:28s} {line}  ({len(sets)} input copies; graphs: {how})", flush=True)
 
 
 if __name__ == "__main__":

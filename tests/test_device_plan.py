@@ -202,3 +202,28 @@ def test_a_batch_over_l2_runs_one_tile_a_block_on_the_device_too():
     assert torch.equal(
         got.arrays["cta_unit_start"], plan(fa, 8, 132, cfg, fused_merge=False, visible_keys=False).arrays["cta_unit_start"]
     )
+
+
+def test_split_weights_must_be_whole_ticks_on_both_planners():
+    """Weights count in thousandths of a unit (`SPLIT_TICKS`): one that is not (1/3) or a unit weight of no ticks is
+    refused by both planners with the same error, instead of rounding differently on each (a sum rounded whole on
+    the host, its parts on the device) or dividing by zero."""
+    import numpy as np
+
+    from kdtree.kernel.planner import balanced_split
+
+    cap = small(seed=3, batch_size=4, prefix_lens=[100, 3, 2500, 700], budget=16)
+    args, heads = marshal(cap), cap.meta.num_heads
+    cfg = CONFIGS["sm_90a"]
+    shape = PlanShape(args.batch_size, int(args.max_num_draft), heads, cfg, 132)
+    for weights in (dict(segment_units=1 / 3), dict(short_segment_units=1 / 3), dict(few_unit_cost=1 / 3)):
+        with pytest.raises(ValueError, match="thousandths"):
+            plan(args, heads, 132, cfg, **weights)
+        with pytest.raises(ValueError, match="thousandths"):
+            plan_on_device(args.qo_indptr, args.combined_kv_indptr, args.prefix_lens, args.tree_mask, shape, **weights)
+    with pytest.raises(ValueError, match="at least one tick"):
+        balanced_split(np.array([0, 4, 8]), 2, 5.0, np.array([0.0, 1.0]))
+    with pytest.raises(ValueError, match="at least one tick"):
+        plan_on_device(args.qo_indptr, args.combined_kv_indptr, args.prefix_lens, args.tree_mask, shape, few_unit_cost=0.0)
+    # whole thousandths are taken, and agree
+    check_same(args, heads, cfg, 132, segment_units=5.125, short_segment_units=0.875, few_unit_cost=0.625)

@@ -281,19 +281,30 @@ def test_graphed_timing_falls_back_to_eager_calls_where_capture_fails():
 @pytest.mark.gpu
 def test_graphed_replays_keep_what_their_kernels_read_alive():
     """The graphs read tensors that only the step references (a plan, outputs): replayed after the caller dropped
-    its references and the allocator handed their memory out again, they still read and write the right ones."""
+    its references, the step and its tensors are still alive, and with the allocator's freed blocks (small and
+    large) handed out again the replays still read and write the right ones."""
+    import gc
+    import weakref
+
     from kdtree.bench import graphed
 
     def make():
         src = [torch.full((1 << 20,), float(i + 1), device="cuda") for i in range(2)]
         out = torch.zeros(1 << 20, device="cuda")
         scale = torch.tensor([3.0], device="cuda")  # referenced by the step alone
-        fn, how = graphed([(s, None) for s in src], lambda q, pool: torch.mul(q, scale, out=out))
-        return fn, how, out
 
-    fn, how, out = make()
+        def step(q, pool):
+            torch.mul(q, scale, out=out)
+
+        fn, how = graphed([(s, None) for s in src], step)
+        return fn, how, out, weakref.ref(step), weakref.ref(scale)
+
+    fn, how, out, step_ref, scale_ref = make()
+    gc.collect()
     assert how == "cuda graph"
-    junk = [torch.full((1 << 20,), -7.0, device="cuda") for _ in range(8)]  # reuses freed blocks, if any were
+    assert step_ref() is not None and scale_ref() is not None
+    junk = [torch.full((1 << 20,), -7.0, device="cuda") for _ in range(8)]
+    junk += [torch.full((1,), -7.0, device="cuda") for _ in range(64)]  # the small pool's blocks too
     for i in range(4):
         fn()
         torch.cuda.synchronize()

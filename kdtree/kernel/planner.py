@@ -147,8 +147,13 @@ SPLIT_TICKS = 1000
 
 
 def split_ticks(x) -> np.ndarray:
-    """Weights (units) as int64 ticks of 1/SPLIT_TICKS unit, rounded to the nearest."""
-    return np.rint(np.asarray(x, dtype=np.float64) * SPLIT_TICKS).astype(np.int64)
+    """Weights (units) as int64 ticks of 1/SPLIT_TICKS unit. A weight must be a whole number of ticks (0.8, 5, 6:
+    thousandths), so that a sum of weights rounds as its parts do on either planner; ValueError otherwise."""
+    t = np.asarray(x, dtype=np.float64) * SPLIT_TICKS
+    ticks = np.rint(t)
+    if not np.all(np.abs(t - ticks) <= 1e-6 * np.maximum(1.0, np.abs(t))):
+        raise ValueError(f"split weights count in thousandths of a unit (SPLIT_TICKS); got {np.unique(x)}")
+    return ticks.astype(np.int64)
 
 
 def balanced_split(
@@ -168,6 +173,8 @@ def balanced_split(
     if not (seg > 0).any():
         return np.arange(grid + 1) * units // grid
     weight = np.full(len(starts), SPLIT_TICKS) if rt_weight is None else split_ticks(rt_weight)
+    if (weight <= 0).any() or (seg < 0).any():
+        raise ValueError("balanced_split: a unit's weight must be at least one tick and a segment cost not negative")
     work = np.diff(rt_unit_start).astype(np.int64) * weight
     cum, jumps = np.cumsum(work), np.concatenate([[0], np.cumsum(seg[1:])])
     w_start = np.concatenate([[0], cum[:-1]]) + jumps  # W at each row tile's first unit
@@ -228,6 +235,7 @@ def plan(
     few = few_row_weight(config) if few_unit_cost is None else few_unit_cost
     rt_weight = np.where(tile_rows <= config.few_row_limit, few, 1.0)
     seg_units = SEGMENT_OVERHEAD_UNITS if segment_units is None else segment_units
+    split_ticks([seg_units, short_segment_units])  # whole ticks each (so their sum rounds as on the device)
     rt_segment = seg_units + np.where((key_tiles <= SHORT_TILE_UNITS) & (seg_units > 0), short_segment_units, 0.0)
     cta_unit_start = balanced_split(rt_unit_start, grid, rt_segment, rt_weight)
     cta_first_rt = np.searchsorted(rt_unit_start, cta_unit_start[:-1], side="right") - 1
