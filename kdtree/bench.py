@@ -204,14 +204,20 @@ def case_launch(case: BenchCase, plan_fn, device="cuda") -> CaseLaunch:
     return CaseLaunch(cap, p, args.to(device), cap.layer(0).q.to(device), cap.pool(0, device), *launch_outputs(cap, p, device))
 
 
-def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
+def kdtree_step(cap: Capture, args: VerifyArgs):
+    """(step, o, plan): step(q, pool) launches the kernel on the cost model's plan for `cap`'s batch into o."""
     from kdtree.kernel import VerifyKernel
 
     kern = VerifyKernel.get()
     p = kern.plan(args, cap.meta.num_heads).to("cuda")
     dev = args.to("cuda")
     o, lse, ws = launch_outputs(cap, p)
-    fn, how = graphed(sets, lambda q, pool: kern.launch(p, dev, q, pool, o, lse, ws))
+    return (lambda q, pool: kern.launch(p, dev, q, pool, o, lse, ws)), o, p
+
+
+def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
+    step, o, p = kdtree_step(cap, args)
+    fn, how = graphed(sets, step)
     info = {
         "launch": how,
         "grid": p.grid,

@@ -11,7 +11,6 @@ import torch
 import triton.testing
 
 from kdtree import bench
-from kdtree.kernel import VerifyKernel
 from kdtree.marshal import marshal
 from kdtree.sglang import extend_attention, verify_call
 from kdtree.synth import synthesize
@@ -31,11 +30,7 @@ def main():
         cap = synthesize(case.spec(), reference=False)
         args = marshal(cap)
         sets = bench.rotations(cap, bench.rotation_copies(bench.case_bytes(cap)))
-        kern = VerifyKernel.get()
-        p = kern.plan(args, cap.meta.num_heads).to("cuda")
-        dev = args.to("cuda")
-        o, lse, ws = bench.launch_outputs(cap, p)
-        step = lambda q, pool: kern.launch(p, dev, q, pool, o, lse, ws)  # noqa: E731
+        step, _, _ = bench.kdtree_step(cap, args)
         fns = {"kdtree eager": bench.cycling(sets, step)}
         fns["kdtree graph"], how = bench.graphed(sets, step)
         if ext is not None:
