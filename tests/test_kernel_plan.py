@@ -375,6 +375,9 @@ def test_64_key_block_schedule_needs_the_split_key_layout_and_no_few_row_tiles()
         dataclasses.replace(hopper, wg_blocks64=True)  # few-row tiles
     with pytest.raises(ValueError, match="wg_blocks64 needs wg_split"):
         dataclasses.replace(hopper.dims_split(), few_rows=0, wg_blocks64=True)
+    # KDTREE_KERNEL_TARGET=sm_90a-b64 runs it alone (compute-sanitizer, experiments), as sm_90a the split-key body
+    assert KernelConfig.for_arch("sm_90a-b64") == b64 and KernelConfig.candidates("sm_90a-b64") == (b64,)
+    assert KernelConfig.candidates("sm_90a") == (KernelConfig.for_arch("sm_90a"),) != (b64,)
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])

@@ -113,6 +113,8 @@ class KernelConfig:
         32-row kernel L2-bound on an H200)."""
         if arch in ("sm_90", "sm_90a"):
             return cls(bm=64, rgroups=2, khalves=1, q_smem=True, wgmma=True, stages=4, wg_split=True, few_rows=16)
+        if arch == "sm_90a-b64":
+            return cls.blocks64()
         if ARCH_LIMITS.get(arch, {}).get("smem_per_block", 0) >= 200_000:
             return cls(bm=64, rgroups=2, khalves=1, q_smem=True)
         return cls()
@@ -125,9 +127,10 @@ class KernelConfig:
         more and it has no few-row tiles) and the split-key body without few-row tiles (a batch whose row tiles
         fill the grid one a block, such as 32k x4, would otherwise be split everywhere to balance the cheaper
         tiles).
-        "sm_90a" names the wgmma segment alone (KDTREE_KERNEL_TARGET=sm_90a: tests and experiments)."""
+        "sm_90a" names the wgmma segment alone and "sm_90a-b64" FlashMLA's schedule on 64-key blocks alone
+        (KDTREE_KERNEL_TARGET: tests, compute-sanitizer and experiments)."""
         first = cls.for_arch(arch)
-        if first == cls() or arch == "sm_90a":
+        if first == cls() or arch in ("sm_90a", "sm_90a-b64"):
             return (first,)
         if first.few_rows:
             nofew = dataclasses.replace(first, few_rows=0)
