@@ -1,12 +1,16 @@
 """Does compute-sanitizer's racecheck honour a named barrier's bar.arrive -> bar.sync hand-over? The 64-key-block
 body (verify_segment_seesaw64) passes its row maxima and scales between the warpgroups so (one arrives, the other
-syncs), and racecheck reports hazards on those words and on the epilogue's row sums. Three small kernels of two
+syncs), and racecheck reports hazards on those words and on the epilogue's row sums. Four small kernels of two
 warpgroups, each run under racecheck in its own process:
 
   handover       warpgroup 1 writes shared words, bar.arrive 1; warpgroup 0 bar.sync 1, reads them, bar.arrive 2;
                  warpgroup 1 bar.sync 2 before writing again (ordered by PTX's barrier semantics)
   handover_sync  the same loop, then __syncthreads, warpgroup 1 writes, __syncthreads, warpgroup 0 reads
   unsynced       warpgroup 1 writes, warpgroup 0 reads, no barrier between (a real race: the control)
+  seesaw         the 64-key-block body's pattern: per iteration five one-way hand-overs (barriers 1-5, each
+                 arrived at by one warpgroup and synced on by the other), warpgroup 0's scale read by warpgroup 1 and
+                 warpgroup 1's by warpgroup 0; then its epilogue: __syncthreads, each warpgroup writes its row sums
+                 over the scales' words, __syncthreads, every thread reads both
 
 Usage: python3 scripts/racecheck_probe.py   (needs a GPU and compute-sanitizer; prints hazards per kernel)
 """
@@ -20,7 +24,32 @@ extern "C" __global__ void probe(float* out, int iters, int kind) {
   __shared__ float buf[64];
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   float acc = 0.f;
-  if (kind == 2) {  // unsynced
+  if (kind == 3) {  // seesaw
+    float* s0 = buf;
+    float* s1 = buf + 32;
+    for (int it = 0; it < iters; ++it) {
+      if (wg == 0) {
+        if (t < 32) s0[t] = it + t;
+        asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+        asm volatile("bar.sync 2, 256;\n" ::: "memory");
+        if (t < 32) acc += s1[t];
+        asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+        asm volatile("bar.sync 4, 256;\n" ::: "memory");
+        asm volatile("bar.arrive 5, 256;\n" ::: "memory");
+      } else {
+        asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        if (t < 32) acc += s0[t], s1[t] = acc;
+        asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+        asm volatile("bar.sync 3, 256;\n" ::: "memory");
+        asm volatile("bar.arrive 4, 256;\n" ::: "memory");
+        asm volatile("bar.sync 5, 256;\n" ::: "memory");
+      }
+    }
+    __syncthreads();
+    if (t < 32) (wg == 0 ? s0 : s1)[t] = acc;
+    __syncthreads();
+    if (t < 32) acc = s0[t] + s1[t];
+  } else if (kind == 2) {  // unsynced
     if (wg == 1 && t < 64) buf[t] = t;
     if (wg == 0 && t < 64) acc += buf[t];
   } else {
@@ -45,13 +74,13 @@ extern "C" __global__ void probe(float* out, int iters, int kind) {
   out[blockIdx.x * blockDim.x + tid] = acc;
 }
 """
-KINDS = ("handover", "handover_sync", "unsynced")
+KINDS = ("handover", "handover_sync", "unsynced", "seesaw")
 
 
 def run(kind: int) -> None:
     import cupy
 
-    fn = cupy.RawModule(code=SOURCE).get_function("probe")
+    fn = cupy.RawModule(code=SOURCE, options=("-lineinfo",)).get_function("probe")
     out = cupy.zeros(4 * 256, dtype=cupy.float32)
     fn((4,), (256,), (out, cupy.int32(8), cupy.int32(kind)))
     cupy.cuda.runtime.deviceSynchronize()
@@ -66,12 +95,11 @@ def main() -> None:
             ["compute-sanitizer", "--tool=racecheck", sys.executable, __file__, name], capture_output=True, text=True, timeout=300
         )
         text = r.stdout + r.stderr
-        reports = re.findall(r"Race reported between (\w+) access .*?\n.*?and (\w+) access .*?\[(\d+) hazards\]", text)
+        reports = re.findall(r"Race reported between (.*?)\n=*\s*and (.*?) \[(\d+) hazards\]", text)
         summary = re.search(r"RACECHECK SUMMARY: (.*)", text)
-        print(
-            f"{name:14s} rc {r.returncode}  {summary.group(1) if summary else 'no summary'}  "
-            + "; ".join(f"{a}/{b} x{n}" for a, b, n in reports)
-        )
+        print(f"{name:14s} rc {r.returncode}  {summary.group(1) if summary else 'no summary'}")
+        for a, b, n in reports:
+            print(f"    {a.strip()}  /  {b.strip()}  x{n}")
 
 
 if __name__ == "__main__":
