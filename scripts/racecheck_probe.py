@@ -1,6 +1,6 @@
 """Does compute-sanitizer's racecheck honour a named barrier's bar.arrive -> bar.sync hand-over? The 64-key-block
 body (verify_segment_seesaw64) passes its row maxima and scales between the warpgroups so (one arrives, the other
-syncs), and racecheck reports hazards on those words and on the epilogue's row sums. Four small kernels of two
+syncs), and racecheck reports hazards on those words and on the epilogue's row sums. Small kernels of two
 warpgroups, each run under racecheck in its own process:
 
   handover       warpgroup 1 writes shared words, bar.arrive 1; warpgroup 0 bar.sync 1, reads them, bar.arrive 2;
@@ -11,6 +11,7 @@ warpgroups, each run under racecheck in its own process:
                  arrived at by one warpgroup and synced on by the other), warpgroup 0's scale read by warpgroup 1 and
                  warpgroup 1's by warpgroup 0; then its epilogue: __syncthreads, each warpgroup writes its row sums
                  over the scales' words, __syncthreads, every thread reads both
+  seesaw_last    the same with the body's last iteration, which skips barriers 4 and 5 (no next block)
 
 Usage: python3 scripts/racecheck_probe.py   (needs a GPU and compute-sanitizer; prints hazards per kernel)
 """
@@ -24,7 +25,7 @@ extern "C" __global__ void probe(float* out, int iters, int kind) {
   __shared__ float buf[64];
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   float acc = 0.f;
-  if (kind == 3) {  // seesaw
+  if (kind >= 3) {  // seesaw, seesaw_last
     float* s0 = buf;
     float* s1 = buf + 32;
     for (int it = 0; it < iters; ++it) {
@@ -34,15 +35,19 @@ extern "C" __global__ void probe(float* out, int iters, int kind) {
         asm volatile("bar.sync 2, 256;\n" ::: "memory");
         if (t < 32) acc += s1[t];
         asm volatile("bar.arrive 3, 256;\n" ::: "memory");
-        asm volatile("bar.sync 4, 256;\n" ::: "memory");
-        asm volatile("bar.arrive 5, 256;\n" ::: "memory");
+        if (kind == 3 || it + 1 < iters) {  // (seesaw_last: the last iteration has no next block to wait for)
+          asm volatile("bar.sync 4, 256;\n" ::: "memory");
+          asm volatile("bar.arrive 5, 256;\n" ::: "memory");
+        }
       } else {
         asm volatile("bar.sync 1, 256;\n" ::: "memory");
         if (t < 32) acc += s0[t], s1[t] = acc;
         asm volatile("bar.arrive 2, 256;\n" ::: "memory");
         asm volatile("bar.sync 3, 256;\n" ::: "memory");
-        asm volatile("bar.arrive 4, 256;\n" ::: "memory");
-        asm volatile("bar.sync 5, 256;\n" ::: "memory");
+        if (kind == 3 || it + 1 < iters) {
+          asm volatile("bar.arrive 4, 256;\n" ::: "memory");
+          asm volatile("bar.sync 5, 256;\n" ::: "memory");
+        }
       }
     }
     __syncthreads();
@@ -74,7 +79,7 @@ extern "C" __global__ void probe(float* out, int iters, int kind) {
   out[blockIdx.x * blockDim.x + tid] = acc;
 }
 """
-KINDS = ("handover", "handover_sync", "unsynced", "seesaw")
+KINDS = ("handover", "handover_sync", "unsynced", "seesaw", "seesaw_last")
 
 
 def run(kind: int) -> None:
