@@ -1,22 +1,24 @@
-"""Does compute-sanitizer's racecheck honour a named barrier's bar.arrive -> bar.sync hand-over? The 64-key-block
-body (verify_segment_seesaw64) passes its row maxima and scales between the warpgroups so (one arrives, the other
-syncs), and racecheck reports hazards on those words and on the epilogue's row sums. Small kernels of two
-warpgroups, each run under racecheck in its own process:
+"""compute-sanitizer's racecheck on small, correct programs of two warpgroups shaped like the 64-key-block body's
+hand-overs (verify_segment_seesaw64: one warpgroup writes shared words and arrives at a named barrier, the other
+syncs on it and reads them), and on a real race as the control: which hazards it reports on code that has none
+(docs/kernel-design.md, "racecheck on the 64-key-block body"). Each program runs under racecheck in its own
+process; the report lines name the accesses by line of SOURCE (line 1 is the empty line the string opens with).
 
   handover       warpgroup 1 writes shared words, bar.arrive 1; warpgroup 0 bar.sync 1, reads them, bar.arrive 2;
                  warpgroup 1 bar.sync 2 before writing again (ordered by PTX's barrier semantics)
   handover_sync  the same loop, then __syncthreads, warpgroup 1 writes, __syncthreads, warpgroup 0 reads
   unsynced       warpgroup 1 writes, warpgroup 0 reads, no barrier between (a real race: the control)
-  seesaw         the 64-key-block body's pattern: per iteration five one-way hand-overs (barriers 1-5, each
-                 arrived at by one warpgroup and synced on by the other), warpgroup 0's scale read by warpgroup 1 and
-                 warpgroup 1's by warpgroup 0; then its epilogue: __syncthreads, each warpgroup writes its row sums
-                 over the scales' words, __syncthreads, every thread reads both
+  seesaw         the body's pattern: per iteration five one-way hand-overs (barriers 1-5, each arrived at by one
+                 warpgroup and synced on by the other), warpgroup 0's scale read by warpgroup 1 and warpgroup 1's by
+                 warpgroup 0; then its epilogue: __syncthreads, each warpgroup writes its row sums over the scales'
+                 words, __syncthreads, threads 0-31 of each warpgroup read both
   seesaw_last    the same with the body's last iteration, which skips barriers 4 and 5 (no next block)
 
-Usage: python3 scripts/racecheck_probe.py   (needs a GPU and compute-sanitizer; prints hazards per kernel)
+Usage: python3 scripts/racecheck_probe.py   (needs a GPU, CuPy and compute-sanitizer; prints hazards per program)
 """
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -95,6 +97,8 @@ def main() -> None:
     if len(sys.argv) == 2:
         run(KINDS.index(sys.argv[1]))
         return
+    if shutil.which("compute-sanitizer") is None:
+        raise SystemExit("racecheck_probe.py: compute-sanitizer is not on PATH (it comes with the CUDA toolkit)")
     for name in KINDS:
         r = subprocess.run(
             ["compute-sanitizer", "--tool=racecheck", sys.executable, __file__, name], capture_output=True, text=True, timeout=300
@@ -103,6 +107,8 @@ def main() -> None:
         reports = re.findall(r"Race reported between (.*?)\n=*\s*and (.*?) \[(\d+) hazards\]", text)
         summary = re.search(r"RACECHECK SUMMARY: (.*)", text)
         print(f"{name:14s} rc {r.returncode}  {summary.group(1) if summary else 'no summary'}")
+        if summary is None:  # the program did not run (no GPU, no CuPy, a compile error): say why
+            print("    " + "\n    ".join(text.strip().splitlines()[-8:]))
         for a, b, n in reports:
             print(f"    {a.strip()}  /  {b.strip()}  x{n}")
 

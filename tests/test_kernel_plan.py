@@ -380,6 +380,19 @@ def test_64_key_block_schedule_needs_the_split_key_layout_and_no_few_row_tiles()
     assert KernelConfig.candidates("sm_90a") == (KernelConfig.for_arch("sm_90a"),) != (b64,)
 
 
+def test_a_kernel_target_outside_the_known_names_is_refused(monkeypatch):
+    """$KDTREE_KERNEL_TARGET names a target or a Hopper body alone; a typo is an error naming the variable, not a
+    silent run of the default configuration."""
+    from kdtree.kernel.config import TARGET_NAMES, configs_for, target_arch
+
+    monkeypatch.setenv("KDTREE_KERNEL_TARGET", "sm_90a-b64")
+    assert target_arch() == "sm_90a-b64" and configs_for(None) == (KernelConfig.blocks64(),)
+    monkeypatch.setenv("KDTREE_KERNEL_TARGET", "sm_90a-B64")
+    with pytest.raises(ValueError, match="KDTREE_KERNEL_TARGET='sm_90a-B64'"):
+        configs_for(None)
+    assert {"sm_120", "sm_90", "sm_90a", "sm_90a-b64"} <= set(TARGET_NAMES)
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_the_cost_is_the_slowest_blocks(arch):
     """estimated_cost charges the block that ends the launch: each block's weighted units are its share of the

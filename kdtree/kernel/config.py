@@ -231,10 +231,18 @@ def device_arch() -> str:
     return f"sm_{major}{minor}"
 
 
+# What $KDTREE_KERNEL_TARGET may name: a target, or a Hopper body alone (`KernelConfig.candidates`)
+TARGET_NAMES = (*ARCH_LIMITS, "sm_90a-b64")
+
+
 def target_arch() -> str:
     """The present GPU's target, or the one named by $KDTREE_KERNEL_TARGET (e.g. sm_120: run the RTX PRO
-    6000's configuration on an H200, which has room for it)."""
-    return os.environ.get("KDTREE_KERNEL_TARGET") or device_arch()
+    6000's configuration on an H200, which has room for it); a name outside TARGET_NAMES is a ValueError (a typo
+    would otherwise run the default 32-row configuration)."""
+    named = os.environ.get("KDTREE_KERNEL_TARGET")
+    if named and named not in TARGET_NAMES:
+        raise ValueError(f"KDTREE_KERNEL_TARGET={named!r}: expected one of {', '.join(TARGET_NAMES)}")
+    return named or device_arch()
 
 
 def configs_for(config: KernelConfig | tuple[KernelConfig, ...] | None) -> tuple[KernelConfig, ...]:
