@@ -254,7 +254,10 @@ def bench(
     ),
     no_sglang: bool = typer.Option(False, "--no-sglang", help="skip SGLang's Triton kernel even if importable"),
     target: Optional[str] = typer.Option(
-        None, "--target", help="run the configuration another target would run (e.g. sm_120), where it fits"
+        None,
+        "--target",
+        help="run the configuration another target would run (e.g. sm_120), where it fits; sm_90a-b64: Hopper's "
+        "64-key blocks alone",
     ),
     chain: bool = typer.Option(
         False,
@@ -276,13 +279,14 @@ def bench(
 
     if chain and sglang_backend:
         _fail("--chain and --sglang do not combine: --sglang times the backend on DDTree steps")
+    if target is not None:
+        from kdtree.kernel.config import TARGET_NAMES
+
+        if target not in TARGET_NAMES:
+            _fail(f"--target: unknown target {target!r}; expected one of {' '.join(TARGET_NAMES)}")
     if not gpu_available():
         _fail("kdtree bench needs a CUDA GPU and CuPy (pip install -e '.[cuda13]')")
     if target is not None:
-        from kdtree.kernel import ARCH_LIMITS
-
-        if target not in ARCH_LIMITS:
-            _fail(f"--target: unknown target {target!r}; expected one of {' '.join(ARCH_LIMITS)}")
         os.environ["KDTREE_KERNEL_TARGET"] = target  # read when the kernel is built (kdtree.kernel.target_arch)
     if sglang_backend:
         import importlib.util
