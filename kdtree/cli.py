@@ -284,10 +284,9 @@ def bench(
 
         if target not in TARGET_NAMES:
             _fail(f"--target: unknown target {target!r}; expected one of {' '.join(TARGET_NAMES)}")
+        os.environ["KDTREE_KERNEL_TARGET"] = target  # read when the kernel is built (kdtree.kernel.target_arch)
     if not gpu_available():
         _fail("kdtree bench needs a CUDA GPU and CuPy (pip install -e '.[cuda13]')")
-    if target is not None:
-        os.environ["KDTREE_KERNEL_TARGET"] = target  # read when the kernel is built (kdtree.kernel.target_arch)
     if sglang_backend:
         import importlib.util
 
