@@ -355,6 +355,11 @@ constexpr int MERGE_REG_SEGS = 8;  // rows with at most this many partials keep 
 #define VMLA_MERGE_VECS 2
 #endif
 constexpr int MERGE_VECS = VMLA_MERGE_VECS;  // ... up to this many float4 of the row a thread (2: blocks of >= 64)
+#ifndef VMLA_MERGE_STAGED
+#define VMLA_MERGE_STAGED 1  // rows of more partials: their LSEs staged in shared memory, then MERGE_REG_SEGS partials
+                             // loaded at a time (0: each LSE and partial loaded as it is added, one load in flight)
+#endif
+constexpr int MERGE_STAGED_SEGS = 1024;  // (more partials than this: the one-at-a-time loop)
 extern "C" __global__ void __launch_bounds__(128)
 verify_mla_merge(const int2* __restrict__ row_merge, const float* __restrict__ part_o,
                  const float* __restrict__ part_lse, __nv_bfloat16* __restrict__ o, float* __restrict__ lse) {
@@ -391,6 +396,27 @@ verify_mla_merge(const int2* __restrict__ row_merge, const float* __restrict__ p
 #pragma unroll
       for (int s = 0; s < MERGE_REG_SEGS; ++s)
         if (s < segs) vmla::add_weighted(acc, vmla::merge_weight(l[s], mw), v[s][j]);
+      vmla::store_bf16x4(&o[static_cast<int64_t>(row) * VMLA_VDIM + c], acc);
+    }
+    if (threadIdx.x == 0 && lse != nullptr) lse[row] = vmla::merged_lse(mw);
+    return;
+  }
+  if (VMLA_MERGE_STAGED && segs <= MERGE_STAGED_SEGS) {  // the LSEs staged once, MERGE_REG_SEGS partials in flight
+    __shared__ float l[MERGE_STAGED_SEGS];
+    for (int s = threadIdx.x; s < segs; s += blockDim.x) l[s] = __ldcg(row_lse + static_cast<int64_t>(s) * VMLA_BM);
+    __syncthreads();
+    const vmla::MergeWeights mw = vmla::merge_weights_of(segs, [&](int s) { return l[s]; });
+    for (int c = threadIdx.x * 4; c < VMLA_VDIM; c += blockDim.x * 4) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int s0 = 0; s0 < segs; s0 += MERGE_REG_SEGS) {
+        float4 v[MERGE_REG_SEGS];
+#pragma unroll
+        for (int k = 0; k < MERGE_REG_SEGS; ++k)
+          if (s0 + k < segs) v[k] = __ldcg(reinterpret_cast<const float4*>(row_o + (s0 + k) * O_STRIDE + c));
+#pragma unroll
+        for (int k = 0; k < MERGE_REG_SEGS; ++k)
+          if (s0 + k < segs) vmla::add_weighted(acc, vmla::merge_weight(l[s0 + k], mw), v[k]);
+      }
       vmla::store_bf16x4(&o[static_cast<int64_t>(row) * VMLA_VDIM + c], acc);
     }
     if (threadIdx.x == 0 && lse != nullptr) lse[row] = vmla::merged_lse(mw);

@@ -48,6 +48,9 @@ VARIANTS = {
     # the walk that holds only the next segment's tile and its range's end (VMLA_WALK_LEAN, the hooks' builds' walk)
     "hopper_lean": (each_with(KernelConfig.candidates("sm_90"), "VMLA_WALK_LEAN=1"), {"_choose": True}),
     "sm120_lean": (each_with((KernelConfig(),), "VMLA_WALK_LEAN=1"), {"_choose": True}),
+    # rows of more than 8 partials merged one partial at a time (VMLA_MERGE_STAGED=0, the merge before it)
+    "hopper_merge_one_at_a_time": (each_with(KernelConfig.candidates("sm_90"), "VMLA_MERGE_STAGED=0"), {"_choose": True}),
+    "sm120_merge_one_at_a_time": (each_with((KernelConfig(),), "VMLA_MERGE_STAGED=0"), {"_choose": True}),
     "bm32_regs": (KernelConfig(), {}),  # sm_120's configuration
     # 64 rows with Q in registers in sm_120's limits (16-key tiles, 4 stages); a segment is twice as many units
     "bm64_regs": (KernelConfig.rows64_in_registers(), {"segment_units": 10.0}),

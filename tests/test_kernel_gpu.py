@@ -47,9 +47,9 @@ def check_against_references(cap, lid, out):
 
 
 def test_merge_launches_give_the_same_bits(kern):
-    """verify_mla_merge as a programmatic dependent or a plain launch, 64 or 128 threads a row: the same bits
-    (the same sums in the same order), on a batch whose tiles split into up to 8 partials (registers) and more
-    (the loop)."""
+    """verify_mla_merge as a programmatic dependent or a plain launch, 64 or 128 threads a row, and with rows of
+    more than 8 partials staged (the default) or loaded one at a time (`VMLA_MERGE_STAGED=0`): the same bits (the
+    same sums in the same order), on a batch whose tiles split into up to 8 partials (registers) and more."""
     from kdtree.kernel import MERGE_THREADS, Workspace, pdl_available
 
     most_partials = []
@@ -72,6 +72,11 @@ def test_merge_launches_give_the_same_bits(kern):
                 kern.launch(p, args, q, pool, o, lse, ws)
                 outs.append((o.clone(), lse.clone()))
         kern.pdl, kern.merge_threads = pdl_available(), MERGE_THREADS
+        one_at_a_time = dataclasses.replace(p, config=p.config.with_defines(("VMLA_MERGE_STAGED=0",)))
+        kern.compiled(one_at_a_time.config)
+        o, lse = poisoned((T, H, 512), "cuda"), torch.empty(T, H, device="cuda")
+        kern.launch(one_at_a_time, args, q, pool, o, lse, ws)
+        outs.append((o.clone(), lse.clone()))
         torch.cuda.synchronize()
         assert len(outs) >= 2
         for o, lse in outs[1:]:
