@@ -359,7 +359,7 @@ constexpr int MERGE_VECS = VMLA_MERGE_VECS;  // ... up to this many float4 of th
 #define VMLA_MERGE_STAGED 1  // rows of more partials: their LSEs staged in shared memory, then MERGE_REG_SEGS partials
                              // loaded at a time (0: each LSE and partial loaded as it is added, one load in flight)
 #endif
-constexpr int MERGE_STAGED_SEGS = 1024;  // (more partials than this: the one-at-a-time loop)
+constexpr int MERGE_STAGED_SEGS = 1024;  // (a row has at most one partial a block of the grid; more: the loop below)
 extern "C" __global__ void __launch_bounds__(128)
 verify_mla_merge(const int2* __restrict__ row_merge, const float* __restrict__ part_o,
                  const float* __restrict__ part_lse, __nv_bfloat16* __restrict__ o, float* __restrict__ lse) {

@@ -43,7 +43,7 @@ for w in "$@"; do
     test) step test-gpu 570 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
     variants) step variants 300 python3 scripts/variants.py ;;
     notebooks) [ -f .whl/nbsite312.tar.xz ] && mkdir -p /tmp/site && tar -xJf .whl/nbsite312.tar.xz -C /tmp/site \
-                 && export PYTHONPATH="/tmp/site:$PYTHONPATH"  # the notebook stack for cp312, when carried
+                 && export PYTHONPATH="/tmp/site:$PYTHONPATH"  # the notebook stack for cp312, when carried (scripts/pack_notebooks.sh)
                step notebooks 420 python3 -m pytest -q -rs tests/test_notebooks.py ;;
     sglang) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1  # the plugin's entry point
             step sglang-imports 300 python3 scripts/sglang_imports.py

@@ -48,7 +48,7 @@ VARIANTS = {
     # the walk that holds only the next segment's tile and its range's end (VMLA_WALK_LEAN, the hooks' builds' walk)
     "hopper_lean": (each_with(KernelConfig.candidates("sm_90"), "VMLA_WALK_LEAN=1"), {"_choose": True}),
     "sm120_lean": (each_with((KernelConfig(),), "VMLA_WALK_LEAN=1"), {"_choose": True}),
-    # rows of more than 8 partials merged one partial at a time (VMLA_MERGE_STAGED=0, the merge before it)
+    # the merge's rows of more than 8 partials loaded one partial at a time (VMLA_MERGE_STAGED=0)
     "hopper_merge_one_at_a_time": (each_with(KernelConfig.candidates("sm_90"), "VMLA_MERGE_STAGED=0"), {"_choose": True}),
     "sm120_merge_one_at_a_time": (each_with((KernelConfig(),), "VMLA_MERGE_STAGED=0"), {"_choose": True}),
     "bm32_regs": (KernelConfig(), {}),  # sm_120's configuration
@@ -138,6 +138,7 @@ VARIANTS = {
             ("bm32", KernelConfig(), SKIPS),
             ("bm64_regs", KernelConfig.rows64_in_registers(), SKIPS),
             ("wgmma", KernelConfig.for_arch("sm_90a"), SKIPS | {"load_mma": ["LOAD", "QK", "PV"]}),
+            ("wgmma_seesaw64", KernelConfig.blocks64(), {"load": ["LOAD"]}),  # (its segment has only this hook)
             (
                 "wgmma_dims",
                 KernelConfig.for_arch("sm_90a").dims_split(),

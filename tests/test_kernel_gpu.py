@@ -82,7 +82,7 @@ def test_merge_launches_give_the_same_bits(kern):
         for o, lse in outs[1:]:
             assert torch.equal(o.view(torch.int16), outs[0][0].view(torch.int16))
             assert torch.equal(lse, outs[0][1])
-    # the cases it is for: rows merged from registers (<= 8 partials) and by the loop (more); on the H200's 132 SMs
+    # the cases it is for: rows merged from registers (<= 8 partials) and staged or one at a time (more); on the H200's 132 SMs
     # seed 3 splits a tile into 28 partials and seed 5 into 3 (the plan is the host's: checked on CPU too)
     assert len(most_partials) == 2 and min(most_partials) <= 8 < max(most_partials), most_partials
 
