@@ -65,6 +65,7 @@ def main():
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE for the kernel (repeatable)")
     ap.add_argument("--segment-units", type=float, nargs="*", default=[None], help="plan(segment_units=...) values to trace")
     ap.add_argument("--blocks64", action="store_true", help="FlashMLA's schedule on 64-key blocks (Hopper; no few-row tiles)")
+    ap.add_argument("--align-shares", type=float, default=None, help="plan(align_shares=...): long requests' tiles cut alike")
     a = ap.parse_args()
     cases = bench.select_cases(a.cases, probes=True)
     base = KernelConfig.for_arch(device_arch())
@@ -77,7 +78,9 @@ def main():
     trace_all = kern.cupy.ndarray((max_grid, 32), dtype=kern.cupy.uint64, memptr=kern.module.get_global("vmla_trace"))
     results = {}
     for case, su in ((c, su) for c in cases for su in a.segment_units):
-        run = bench.case_launch(case, lambda args, H, su=su: plan(args, H, kern.num_sms, config, segment_units=su))
+        run = bench.case_launch(
+            case, lambda args, H, su=su: plan(args, H, kern.num_sms, config, segment_units=su, align_shares=a.align_shares)
+        )
         p = run.plan
         trace = trace_all[: p.grid]  # this plan's blocks
         tiles = segment_tiles(p)
@@ -96,7 +99,11 @@ def main():
             s["raw_us"] = ((raw.astype(np.int64) - int(raw[:, 0].min())) / 1e3).round(3).tolist()
             reps.append(s)
         best = sorted(reps, key=lambda r: r["kernel_span"])[len(reps) // 2]  # the median launch
-        name = case.name + ("" if su is None else f" segment_units={su:g}")
+        name = (
+            case.name
+            + ("" if su is None else f" segment_units={su:g}")
+            + (f" align_shares={a.align_shares:g}" if a.align_shares else "")
+        )
         results[name] = {"grid": p.grid, "units": p.units, "segments": p.segments, "tiles": tiles, "median_launch": best}
         print(f"{name}: grid {p.grid}, units {p.units}, segments {p.segments}, merge kernel {p.split and not p.fused_merge}")
         print(

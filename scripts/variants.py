@@ -61,6 +61,9 @@ VARIANTS = {
     "no_fast_mask": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 0),)), {}),
     # FlashMLA's schedule on 64-key blocks (verify_segment_seesaw64; no few-row tiles beside it)
     "wgmma_seesaw64": (KernelConfig.blocks64(), {}),
+    # ... with the row tiles of requests whose tiles are each worth >= n blocks' shares cut at common key offsets, so
+    # that their blocks read each key together (plan(align_shares=n), aligned_split)
+    **{f"wgmma_seesaw64_aligned{n}": (KernelConfig.blocks64(), {"align_shares": float(n)}) for n in (3, 6)},
     # ... placed with a segment weighed n units (the cost model's segment is 10/9 / 0.82 = 1.35x a split-key one in its
     # own units), a short row tile's SHORT_SEGMENT_UNITS more (plan's default)
     **{

@@ -15,6 +15,7 @@ from kdtree.kernel import (
     SHORT_SEGMENT_UNITS,
     SHORT_TILE_UNITS,
     KernelConfig,
+    aligned_split,
     balanced_split,
     plan,
 )
@@ -183,6 +184,53 @@ def test_balanced_split_moves_units_to_blocks_with_fewer_segments():
     assert balanced_split(starts, 3, 5.0, np.array([1.0, 1.0, 0.5])).tolist() == [0, 10, 18, 30]
     assert balanced_split(starts, 2, 5.0).tolist() == [0, 15, 30]
     assert balanced_split(starts, 2, 5.0, np.array([0.5, 1.0, 1.0])).tolist() == [0, 18, 30]
+
+
+def test_aligned_split_cuts_the_tiles_of_a_long_request_alike():
+    """A request's row tiles worth at least `min_shares` blocks' shares each are cut into the same pieces, one block
+    a piece (fewer pieces where the grid cannot hold them); the other tiles share the remaining blocks."""
+    starts = np.array([0, 10, 110, 210, 310])  # a 10-unit tile of request 0, three 100-unit tiles of request 1
+    request = np.array([0, 1, 1, 1])
+    zero, one = np.zeros(4), np.ones(4)
+    # 2.6 shares a tile would be 3 pieces, 9 blocks: over the 8 less the run's one, so 2 pieces a tile
+    assert aligned_split(starts, request, 8, zero, one, 2.0).tolist() == [0, 5, 10, 60, 110, 160, 210, 260, 310]
+    assert aligned_split(starts, request, 8, zero, one, 2.0, pad=4).tolist() == [0, 5, 10, 62, 110, 162, 210, 262, 310]
+    assert aligned_split(starts, request, 8, zero, one, 3.0) is None  # no tile is worth 3 shares
+    lone = np.array([0, 100, 200, 300])  # one request alone: the grid shrinks to its pieces
+    assert aligned_split(lone, np.zeros(3, int), 8, np.zeros(3), np.ones(3), 2.0).tolist() == [0, 50, 100, 150, 200, 250, 300]
+
+
+def test_plans_with_long_requests_aligned_still_do_every_unit_once():
+    """plan(align_shares=...) on mixed (its 45,000-key request's nine row tiles each worth ~9 shares): those tiles
+    are cut at the same offsets, in 64-key pairs of blocks, and the walk still does every unit once and writes every
+    partial slot once; on the small tree, which has no such request, it is the balanced plan; 128k, one request,
+    gets a grid of its pieces."""
+    from kdtree.bench import CASES
+
+    config = KernelConfig.blocks64()
+    by_name = {c.name: c for c in CASES}
+    for name, shares in (("kimi-tp8 mixed", 6.0), ("kimi-tp8 ddtree64 128k", 3.0)):
+        cap = synthesize(by_name[name].spec(), reference=False)
+        p = plan(marshal(cap), cap.meta.num_heads, 132, config, align_shares=shares)
+        a = {k: v.numpy() for k, v in p.arrays.items()}
+        long = np.flatnonzero(a["rt_request"] == len(cap.prefix_lens) - 1)  # the last request is the longest in both
+        t0, t1 = a["rt_unit_start"][long], a["rt_unit_start"][long + 1]
+        cuts = [[int(x - lo) for x in a["cta_unit_start"] if lo <= x < hi] for lo, hi in zip(t0, t1)]
+        assert all(c == cuts[0] for c in cuts) and len(cuts[0]) >= 2 and all(x % 4 == 0 for x in cuts[0]), name
+        ranges, slots = {}, []
+        for _c, rt, k0, k1, slot in p.walk():
+            ranges.setdefault(rt, []).append((k0, k1))
+            slots += [] if slot is None else [slot]
+        for rt, r in ranges.items():
+            r.sort()
+            assert r[0][0] == 0 and r[-1][1] == a["rt_unit_start"][rt + 1] - a["rt_unit_start"][rt], name
+            assert all(x[1] == y[0] for x, y in zip(r, r[1:])), name
+        assert len(ranges) == p.row_tiles and sorted(slots) == list(range(p.segments)), name
+        if name.endswith("128k"):
+            assert p.grid == len(long) * len(cuts[0]) <= 132
+    cap = synthesize(by_name["kimi-tp8 small tree"].spec(), reference=False)
+    aligned, balanced = (plan(marshal(cap), cap.meta.num_heads, 132, config, align_shares=s) for s in (3.0, None))
+    assert all(torch.equal(aligned.arrays[k], balanced.arrays[k]) for k in balanced.arrays)
 
 
 def test_short_row_tiles_weigh_their_segments_more():

@@ -188,6 +188,80 @@ def balanced_split(
     return np.minimum(bounds, units - grid + idx)  # ... and every block keeps a unit (grid <= units)
 
 
+def aligned_split(
+    rt_unit_start: np.ndarray,
+    rt_request: np.ndarray,
+    grid: int,
+    segment_units: np.ndarray,
+    rt_weight: np.ndarray,
+    min_shares: float,
+    pad: int = 1,
+) -> np.ndarray | None:
+    """Block boundaries [grid + 1] that cut every row tile of each long request (at least two row tiles, each worth
+    at least `min_shares` of a block's mean share of the work) into the same number of pieces at the same key
+    offsets (multiples of `pad` units), one block a piece: the request's blocks then read each key at about the same
+    time, so its pool rows leave HBM once for all its row tiles, as they do where each block holds one whole row tile
+    (docs/kernel-design.md, "Pool rows over L2"). The runs of other row tiles between them share the remaining blocks
+    in proportion to their work, each as `balanced_split` shares it; with no other row tiles the grid shrinks to the
+    pieces (fewer pieces a tile where the grid cannot hold them all). None where no request is that long, or where
+    even two pieces a tile leave too few blocks for the runs."""
+    units_rt = np.diff(rt_unit_start).astype(np.int64)
+    work_rt = units_rt * np.asarray(rt_weight, dtype=np.float64) + np.asarray(segment_units, dtype=np.float64)
+    share = work_rt.sum() / grid
+    pieces = {}  # request -> pieces a row tile
+    for r in np.unique(rt_request):
+        tiles = np.flatnonzero(rt_request == r)
+        if len(tiles) < 2 or work_rt[tiles].min() < min_shares * share:
+            continue
+        pieces[int(r)] = int(max(2, min(round(work_rt[tiles].mean() / share), units_rt[tiles].min() // pad)))
+    if not pieces:
+        return None
+    aligned = np.isin(rt_request, list(pieces))
+    runs, i = [], 0  # maximal runs [i, j) of other row tiles
+    while i < len(units_rt):
+        j = i
+        while j < len(units_rt) and not aligned[j]:
+            j += 1
+        if j > i:
+            runs.append((i, j))
+        i = j + 1 if j == i else j
+    tiles_of = {r: int((rt_request == r).sum()) for r in pieces}
+    while sum(pieces[r] * tiles_of[r] for r in pieces) > grid - len(runs):  # too many: fewer pieces, longest first
+        r = max((r for r in pieces if pieces[r] > 2), key=lambda r: pieces[r], default=None)
+        if r is None:
+            return None
+        pieces[r] -= 1
+    free = grid - sum(pieces[r] * tiles_of[r] for r in pieces)
+    if not runs:
+        free = 0  # (the pieces alone: the grid shrinks to them)
+    blocks = np.zeros(len(runs), dtype=np.int64)
+    if runs:  # each run's share of the free blocks: at least one, largest remainders
+        exact = free * np.array([work_rt[i:j].sum() for i, j in runs]) / sum(work_rt[i:j].sum() for i, j in runs)
+        blocks = np.maximum(1, np.floor(exact).astype(np.int64))
+        while blocks.sum() > free:
+            blocks[np.argmin(np.where(blocks > 1, exact - blocks, np.inf))] -= 1
+        while blocks.sum() < free:
+            blocks[np.argmax(exact - blocks)] += 1
+        if any(b > units_rt[i:j].sum() for b, (i, j) in zip(blocks, runs)):
+            return None
+    bounds, run_of = [], {i: k for k, (i, _) in enumerate(runs)}
+    rt = 0
+    while rt < len(units_rt):
+        if rt in run_of:
+            i, j = runs[run_of[rt]]
+            sub = balanced_split(
+                rt_unit_start[i : j + 1] - rt_unit_start[i], int(blocks[run_of[rt]]), segment_units[i:j], rt_weight[i:j]
+            )
+            bounds += (sub[:-1] + rt_unit_start[i]).tolist()
+            rt = j
+            continue
+        m = pieces[int(rt_request[rt])]
+        k0 = units_rt[rt_request == rt_request[rt]].min()  # (the request's shortest tile: its prefix keys)
+        bounds += [int(rt_unit_start[rt]) + pad * int(k * k0 / m / pad + 0.5) for k in range(m)]  # (halves up)
+        rt += 1
+    return np.array(bounds + [int(rt_unit_start[-1])], dtype=np.int64)
+
+
 def plan(
     args: VerifyArgs,
     num_heads: int,
@@ -200,6 +274,7 @@ def plan(
     visible_keys: bool = True,
     grid: int | None = None,
     short_segment_units: float = SHORT_SEGMENT_UNITS,
+    align_shares: float | None = None,
 ) -> LaunchPlan:
     """Cut the batch into row tiles x key tiles (with `visible_keys`, a row tile's keys end at the last draft key
     its rows may see: `row_tile_key_tiles`; else every row tile takes all its request's keys, which keeps the row
@@ -212,7 +287,9 @@ def plan(
     `few_row_weight(config)`).
     `fused_merge` (default: when no tile is split into more than FUSED_MERGE_SEGS partials, on the mma.sync
     paths) lets the kernel merge split tiles itself instead of launching verify_mla_merge. `grid` caps the
-    persistent blocks below one per SM slot (`scripts/variants.py`: whole row tiles a block)."""
+    persistent blocks below one per SM slot (`scripts/variants.py`: whole row tiles a block). `align_shares` (an
+    experiment, `scripts/variants.py`): the row tiles of requests whose tiles are each worth at least that many
+    blocks' shares are cut at common key offsets (`aligned_split`), the rest balanced as before."""
     if grid is not None and grid < 1:
         raise ValueError(f"plan: grid must be at least 1 block, got {grid}")
     n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
@@ -237,7 +314,12 @@ def plan(
     seg_units = SEGMENT_OVERHEAD_UNITS if segment_units is None else segment_units
     split_ticks([seg_units, short_segment_units])  # whole ticks each (so their sum rounds as on the device)
     rt_segment = seg_units + np.where((key_tiles <= SHORT_TILE_UNITS) & (seg_units > 0), short_segment_units, 0.0)
-    cta_unit_start = balanced_split(rt_unit_start, grid, rt_segment, rt_weight)
+    cta_unit_start = None
+    if align_shares is not None:
+        cta_unit_start = aligned_split(rt_unit_start, rt_request, grid, rt_segment, rt_weight, align_shares, padded_units(config))
+    if cta_unit_start is None:
+        cta_unit_start = balanced_split(rt_unit_start, grid, rt_segment, rt_weight)
+    grid = len(cta_unit_start) - 1
     cta_first_rt = np.searchsorted(rt_unit_start, cta_unit_start[:-1], side="right") - 1
     rt_first_cta = np.searchsorted(cta_unit_start, rt_unit_start[:-1], side="right") - 1
     rt_last_cta = np.searchsorted(cta_unit_start, rt_unit_start[1:] - 1, side="right") - 1
