@@ -78,10 +78,15 @@ def main():
     trace_all = kern.cupy.ndarray((max_grid, 32), dtype=kern.cupy.uint64, memptr=kern.module.get_global("vmla_trace"))
     results = {}
     for case, su in ((c, su) for c in cases for su in a.segment_units):
-        run = bench.case_launch(
-            case, lambda args, H, su=su: plan(args, H, kern.num_sms, config, segment_units=su, align_shares=a.align_shares)
-        )
+        balanced = {}
+
+        def plan_fn(args, H, su=su):
+            balanced["p"] = plan(args, H, kern.num_sms, config, segment_units=su)
+            return plan(args, H, kern.num_sms, config, segment_units=su, align_shares=a.align_shares)
+
+        run = bench.case_launch(case, plan_fn)
         p = run.plan
+        aligned = not torch.equal(p.arrays["cta_unit_start"].cpu(), balanced["p"].arrays["cta_unit_start"])
         trace = trace_all[: p.grid]  # this plan's blocks
         tiles = segment_tiles(p)
         reps = []
@@ -102,7 +107,7 @@ def main():
         name = (
             case.name
             + ("" if su is None else f" segment_units={su:g}")
-            + (f" align_shares={a.align_shares:g}" if a.align_shares else "")
+            + (f" aligned at align_shares={a.align_shares:g}" if aligned else "")
         )
         results[name] = {"grid": p.grid, "units": p.units, "segments": p.segments, "tiles": tiles, "median_launch": best}
         print(f"{name}: grid {p.grid}, units {p.units}, segments {p.segments}, merge kernel {p.split and not p.fused_merge}")

@@ -187,17 +187,35 @@ def test_balanced_split_moves_units_to_blocks_with_fewer_segments():
 
 
 def test_aligned_split_cuts_the_tiles_of_a_long_request_alike():
-    """A request's row tiles worth at least `min_shares` blocks' shares each are cut into the same pieces, one block
-    a piece (fewer pieces where the grid cannot hold them); the other tiles share the remaining blocks."""
-    starts = np.array([0, 10, 110, 210, 310])  # a 10-unit tile of request 0, three 100-unit tiles of request 1
-    request = np.array([0, 1, 1, 1])
-    zero, one = np.zeros(4), np.ones(4)
-    # 2.6 shares a tile would be 3 pieces, 9 blocks: over the 8 less the run's one, so 2 pieces a tile
-    assert aligned_split(starts, request, 8, zero, one, 2.0).tolist() == [0, 5, 10, 60, 110, 160, 210, 260, 310]
-    assert aligned_split(starts, request, 8, zero, one, 2.0, pad=4).tolist() == [0, 5, 10, 62, 110, 162, 210, 262, 310]
+    """A request's row tiles worth at least `min_shares` blocks' shares each are cut at the same offsets (within its
+    shortest tile, halves up, in multiples of `pad`), one block a piece; the other tiles share the remaining blocks;
+    alone, the grid shrinks to the pieces. None where no request is that long, where a tile is under two `pad`s, or
+    where the largest block would hold over ALIGN_SLACK times the balanced split's largest."""
+    from kdtree.kernel.planner import ALIGN_SLACK, block_costs
+
+    starts = np.array([0, 200, 400, 601, 800])  # a 200-unit tile of request 0; tiles of 200, 201 and 199 of request 1
+    request, zero, one = np.array([0, 1, 1, 1]), np.zeros(4), np.ones(4)
+    assert aligned_split(starts, request, 8, zero, one, 1.5).tolist() == [0, 100, 200, 300, 400, 500, 601, 701, 800]
+    assert aligned_split(starts, request, 8, zero, one, 1.5, pad=8).tolist() == [0, 100, 200, 296, 400, 496, 601, 697, 800]
     assert aligned_split(starts, request, 8, zero, one, 3.0) is None  # no tile is worth 3 shares
-    lone = np.array([0, 100, 200, 300])  # one request alone: the grid shrinks to its pieces
-    assert aligned_split(lone, np.zeros(3, int), 8, np.zeros(3), np.ones(3), 2.0).tolist() == [0, 50, 100, 150, 200, 250, 300]
+    lone = aligned_split(np.array([0, 700, 1400]), np.zeros(2, int), 29, np.zeros(2), np.ones(2), 2.0)
+    assert lone.tolist() == list(range(0, 1401, 50))  # 14 pieces a tile on 28 of the 29 blocks
+    assert aligned_split(np.array([0, 4, 8]), np.zeros(2, int), 8, np.full(2, 11.0), np.ones(2), 3.0, pad=4) is None
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # random batches: valid boundaries, no block over the slack, long tiles cut alike
+        tiles = rng.integers(1, 6, size=rng.integers(1, 5))
+        req = np.repeat(np.arange(len(tiles)), tiles)
+        lens = np.concatenate([np.full(t, rng.integers(1, 2000)) + rng.integers(0, 3, t) for t in tiles])
+        starts = np.concatenate([[0], np.cumsum(lens)])
+        seg, weight, grid = rng.choice([0.0, 5.0]), np.ones(len(lens)), int(rng.integers(2, 200))
+        if grid > starts[-1]:
+            continue
+        b = aligned_split(starts, req, grid, seg, weight, float(rng.choice([2.0, 3.0, 6.0])), int(rng.choice([1, 4])))
+        if b is None:
+            continue
+        assert b[0] == 0 and b[-1] == starts[-1] and (np.diff(b) > 0).all() and len(b) <= grid + 1
+        balanced = block_costs(balanced_split(starts, grid, seg, weight), starts, seg, weight).max()
+        assert block_costs(b, starts, seg, weight).max() <= ALIGN_SLACK * balanced + 1e-9
 
 
 def test_plans_with_long_requests_aligned_still_do_every_unit_once():

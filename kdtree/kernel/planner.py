@@ -5,6 +5,7 @@ plan's split tiles need. docs/kernel-design.md, "Stream-K plan" and "Cost model"
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -188,78 +189,119 @@ def balanced_split(
     return np.minimum(bounds, units - grid + idx)  # ... and every block keeps a unit (grid <= units)
 
 
+def block_costs(bounds: np.ndarray, rt_unit_start: np.ndarray, segment_units, rt_weight) -> np.ndarray:
+    """Each block's work as `balanced_split` weighs it: its units x their row tile's weight, plus the segment cost of
+    every row tile it touches."""
+    n = len(rt_unit_start) - 1
+    seg = np.broadcast_to(np.asarray(segment_units, dtype=np.float64), (n,))
+    weight = np.broadcast_to(np.asarray(rt_weight, dtype=np.float64), (n,))
+    out = np.zeros(len(bounds) - 1)
+    for c, (u0, u1) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if u1 <= u0:
+            continue
+        r0 = np.searchsorted(rt_unit_start, u0, side="right") - 1
+        r1 = np.searchsorted(rt_unit_start, u1 - 1, side="right") - 1
+        for rt in range(r0, r1 + 1):
+            out[c] += (min(u1, rt_unit_start[rt + 1]) - max(u0, rt_unit_start[rt])) * weight[rt] + seg[rt]
+    return out
+
+
+ALIGN_SLACK = 1.06  # an aligned split may put this much more work than the balanced one into its largest block
+
+
 def aligned_split(
     rt_unit_start: np.ndarray,
     rt_request: np.ndarray,
     grid: int,
-    segment_units: np.ndarray,
-    rt_weight: np.ndarray,
+    segment_units,
+    rt_weight,
     min_shares: float,
     pad: int = 1,
 ) -> np.ndarray | None:
     """Block boundaries [grid + 1] that cut every row tile of each long request (at least two row tiles, each worth
-    at least `min_shares` of a block's mean share of the work) into the same number of pieces at the same key
-    offsets (multiples of `pad` units), one block a piece: the request's blocks then read each key at about the same
-    time, so its pool rows leave HBM once for all its row tiles, as they do where each block holds one whole row tile
-    (docs/kernel-design.md, "Pool rows over L2"). The runs of other row tiles between them share the remaining blocks
-    in proportion to their work, each as `balanced_split` shares it; with no other row tiles the grid shrinks to the
-    pieces (fewer pieces a tile where the grid cannot hold them all). None where no request is that long, or where
-    even two pieces a tile leave too few blocks for the runs."""
+    at least `min_shares` of a block's mean share of the work and at least 2 `pad` units) into the same number of
+    pieces at the same key offsets (multiples of `pad` units), one block a piece: the request's blocks then read
+    each key at about the same time, so its pool rows leave HBM once for all its row tiles, as they do where each
+    block holds one whole row tile (docs/kernel-design.md, "Pool rows over L2"). The runs of other row tiles between
+    them keep about their share of blocks, each run balanced as `balanced_split` balances it; with no other row tiles
+    the grid shrinks to the pieces (fewer pieces a tile where the grid cannot hold them all). None where no request
+    is that long, where the runs cannot keep their blocks, or where the largest block would hold more than
+    ALIGN_SLACK times the balanced split's largest."""
+    n = len(rt_unit_start) - 1
+    seg = np.array(np.broadcast_to(np.asarray(segment_units, dtype=np.float64), (n,)))
+    weight = np.array(np.broadcast_to(np.asarray(rt_weight, dtype=np.float64), (n,)))
     units_rt = np.diff(rt_unit_start).astype(np.int64)
-    work_rt = units_rt * np.asarray(rt_weight, dtype=np.float64) + np.asarray(segment_units, dtype=np.float64)
+    work_rt = units_rt * weight + seg
     share = work_rt.sum() / grid
-    pieces = {}  # request -> pieces a row tile
+    pieces, tile_work, shortest = {}, {}, {}  # per long request: pieces a row tile, a tile's mean work, shortest tile
     for r in np.unique(rt_request):
         tiles = np.flatnonzero(rt_request == r)
-        if len(tiles) < 2 or work_rt[tiles].min() < min_shares * share:
+        k0 = int(units_rt[tiles].min())
+        if len(tiles) < 2 or work_rt[tiles].min() < min_shares * share or k0 // pad < 2:
             continue
-        pieces[int(r)] = int(max(2, min(round(work_rt[tiles].mean() / share), units_rt[tiles].min() // pad)))
+        r = int(r)
+        tile_work[r], shortest[r] = float(work_rt[tiles].mean()), k0
+        pieces[r] = int(max(2, min(round(tile_work[r] / share), k0 // pad)))
     if not pieces:
         return None
     aligned = np.isin(rt_request, list(pieces))
     runs, i = [], 0  # maximal runs [i, j) of other row tiles
-    while i < len(units_rt):
+    while i < n:
         j = i
-        while j < len(units_rt) and not aligned[j]:
+        while j < n and not aligned[j]:
             j += 1
         if j > i:
             runs.append((i, j))
         i = j + 1 if j == i else j
+    run_work = np.array([work_rt[i:j].sum() for i, j in runs])
     tiles_of = {r: int((rt_request == r).sum()) for r in pieces}
-    while sum(pieces[r] * tiles_of[r] for r in pieces) > grid - len(runs):  # too many: fewer pieces, longest first
+
+    def split(pieces: dict) -> np.ndarray | None:
+        free = grid - sum(pieces[r] * tiles_of[r] for r in pieces)
+        if free < len(runs):  # (with no runs, free blocks are left out: the grid shrinks to the pieces)
+            return None
+        blocks = np.zeros(len(runs), dtype=np.int64)
+        if runs:  # the free blocks over the runs in proportion to their work: at least one each, largest remainders
+            exact = free * run_work / run_work.sum()
+            blocks = np.maximum(1, np.floor(exact).astype(np.int64))
+            while blocks.sum() > free:
+                blocks[np.argmin(np.where(blocks > 1, exact - blocks, np.inf))] -= 1
+            while blocks.sum() < free:
+                blocks[np.argmax(exact - blocks)] += 1
+            if any(b > units_rt[i:j].sum() for b, (i, j) in zip(blocks, runs)):
+                return None
+        bounds, run_of, rt = [], {i: k for k, (i, _) in enumerate(runs)}, 0
+        while rt < n:
+            if rt in run_of:
+                i, j = runs[run_of[rt]]
+                sub = balanced_split(rt_unit_start[i : j + 1] - rt_unit_start[i], int(blocks[run_of[rt]]), seg[i:j], weight[i:j])
+                bounds += (sub[:-1] + rt_unit_start[i]).tolist()
+                rt = j
+                continue
+            r = int(rt_request[rt])
+            m, k0 = pieces[r], shortest[r]  # (offsets within the shortest tile: the longer ones' extra keys go last)
+            bounds += [int(rt_unit_start[rt]) + pad * int(k * k0 / m / pad + 0.5) for k in range(m)]  # (halves up)
+            rt += 1
+        bounds = np.array(bounds + [int(rt_unit_start[-1])], dtype=np.int64)
+        return bounds if (np.diff(bounds) > 0).all() else None
+
+    # pieces a tile: each long request's nearest count to a share a piece, one fewer or one more, the combination
+    # whose largest block holds the least work; with no other row tiles, the most pieces the grid holds
+    while not runs and sum(pieces[r] * tiles_of[r] for r in pieces) > grid:
         r = max((r for r in pieces if pieces[r] > 2), key=lambda r: pieces[r], default=None)
         if r is None:
             return None
         pieces[r] -= 1
-    free = grid - sum(pieces[r] * tiles_of[r] for r in pieces)
-    if not runs:
-        free = 0  # (the pieces alone: the grid shrinks to them)
-    blocks = np.zeros(len(runs), dtype=np.int64)
-    if runs:  # each run's share of the free blocks: at least one, largest remainders
-        exact = free * np.array([work_rt[i:j].sum() for i, j in runs]) / sum(work_rt[i:j].sum() for i, j in runs)
-        blocks = np.maximum(1, np.floor(exact).astype(np.int64))
-        while blocks.sum() > free:
-            blocks[np.argmin(np.where(blocks > 1, exact - blocks, np.inf))] -= 1
-        while blocks.sum() < free:
-            blocks[np.argmax(exact - blocks)] += 1
-        if any(b > units_rt[i:j].sum() for b, (i, j) in zip(blocks, runs)):
-            return None
-    bounds, run_of = [], {i: k for k, (i, _) in enumerate(runs)}
-    rt = 0
-    while rt < len(units_rt):
-        if rt in run_of:
-            i, j = runs[run_of[rt]]
-            sub = balanced_split(
-                rt_unit_start[i : j + 1] - rt_unit_start[i], int(blocks[run_of[rt]]), segment_units[i:j], rt_weight[i:j]
-            )
-            bounds += (sub[:-1] + rt_unit_start[i]).tolist()
-            rt = j
-            continue
-        m = pieces[int(rt_request[rt])]
-        k0 = units_rt[rt_request == rt_request[rt]].min()  # (the request's shortest tile: its prefix keys)
-        bounds += [int(rt_unit_start[rt]) + pad * int(k * k0 / m / pad + 0.5) for k in range(m)]  # (halves up)
-        rt += 1
-    return np.array(bounds + [int(rt_unit_start[-1])], dtype=np.int64)
+    options = [[m for m in (pieces[r] - 1, pieces[r], pieces[r] + 1) if 2 <= m <= shortest[r] // pad] for r in pieces]
+    best, best_cost = None, np.inf
+    for combo in itertools.islice(itertools.product(*options), 81):
+        bounds = split(dict(zip(pieces, combo)))
+        if bounds is not None and (cost := block_costs(bounds, rt_unit_start, seg, weight).max()) < best_cost:
+            best, best_cost = bounds, cost
+    if best is None:
+        return None
+    balanced = balanced_split(rt_unit_start, grid, seg, weight)
+    return None if best_cost > ALIGN_SLACK * block_costs(balanced, rt_unit_start, seg, weight).max() else best
 
 
 def plan(
