@@ -189,21 +189,20 @@ def balanced_split(
     return np.minimum(bounds, units - grid + idx)  # ... and every block keeps a unit (grid <= units)
 
 
+def weighted_units(bounds: np.ndarray, rt_unit_start: np.ndarray, rt_weight) -> np.ndarray:
+    """Each block's units x their row tile's weight (the weighted work before a bound is piecewise linear in it)."""
+    work = np.concatenate([[0.0], np.cumsum(np.diff(rt_unit_start) * np.asarray(rt_weight, dtype=np.float64))])
+    return np.diff(np.interp(bounds, rt_unit_start, work))
+
+
 def block_costs(bounds: np.ndarray, rt_unit_start: np.ndarray, segment_units, rt_weight) -> np.ndarray:
-    """Each block's work as `balanced_split` weighs it: its units x their row tile's weight, plus the segment cost of
-    every row tile it touches."""
-    n = len(rt_unit_start) - 1
-    seg = np.broadcast_to(np.asarray(segment_units, dtype=np.float64), (n,))
-    weight = np.broadcast_to(np.asarray(rt_weight, dtype=np.float64), (n,))
-    out = np.zeros(len(bounds) - 1)
-    for c, (u0, u1) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if u1 <= u0:
-            continue
-        r0 = np.searchsorted(rt_unit_start, u0, side="right") - 1
-        r1 = np.searchsorted(rt_unit_start, u1 - 1, side="right") - 1
-        for rt in range(r0, r1 + 1):
-            out[c] += (min(u1, rt_unit_start[rt + 1]) - max(u0, rt_unit_start[rt])) * weight[rt] + seg[rt]
-    return out
+    """Each block's work as `balanced_split` weighs it: its weighted units plus the segment cost of every row tile
+    it touches."""
+    seg = np.broadcast_to(np.asarray(segment_units, dtype=np.float64), (len(rt_unit_start) - 1,))
+    first = np.searchsorted(rt_unit_start, bounds[:-1], side="right") - 1
+    last = np.searchsorted(rt_unit_start, bounds[1:] - 1, side="right") - 1
+    touched = np.concatenate([[0.0], np.cumsum(seg)])
+    return weighted_units(bounds, rt_unit_start, rt_weight) + touched[last + 1] - touched[first]
 
 
 ALIGN_SLACK = 1.06  # an aligned split may put this much more work than the balanced one into its largest block
@@ -244,15 +243,12 @@ def aligned_split(
         pieces[r] = int(max(2, min(round(tile_work[r] / share), k0 // pad)))
     if not pieces:
         return None
-    aligned = np.isin(rt_request, list(pieces))
-    runs, i = [], 0  # maximal runs [i, j) of other row tiles
-    while i < n:
-        j = i
-        while j < n and not aligned[j]:
-            j += 1
-        if j > i:
-            runs.append((i, j))
-        i = j + 1 if j == i else j
+    runs = []  # maximal runs [i, j) of other row tiles
+    for rt in np.flatnonzero(~np.isin(rt_request, list(pieces))):
+        if runs and runs[-1][1] == rt:
+            runs[-1] = (runs[-1][0], rt + 1)
+        else:
+            runs.append((rt, rt + 1))
     run_work = np.array([work_rt[i:j].sum() for i, j in runs])
     tiles_of = {r: int((rt_request == r).sum()) for r in pieces}
 
@@ -366,8 +362,6 @@ def plan(
     rt_first_cta = np.searchsorted(cta_unit_start, rt_unit_start[:-1], side="right") - 1
     rt_last_cta = np.searchsorted(cta_unit_start, rt_unit_start[1:] - 1, side="right") - 1
     segs = rt_last_cta - rt_first_cta + 1
-    # each block's weighted units (the weighted work before its bounds, piecewise linear in the unit) and row tiles
-    wpos = np.interp(cta_unit_start, rt_unit_start, np.concatenate([[0.0], np.cumsum(key_tiles * rt_weight)]))
     cta_last_rt = np.searchsorted(rt_unit_start, cta_unit_start[1:] - 1, side="right") - 1
     # every (block, row tile) segment: its block, its row tile, its units
     counts = cta_last_rt - cta_first_rt + 1
@@ -410,7 +404,7 @@ def plan(
         fused_merge=fused_merge and bool(rt_seg_base[-1] > 0),
         config=config,
         arrays={k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int32)) for k, v in arrays.items()},
-        block_work=np.diff(wpos),
+        block_work=weighted_units(cta_unit_start, rt_unit_start, rt_weight),
         block_segments=counts,
         block_padded_work=np.bincount(seg_block, weights=padded, minlength=grid),
     )
