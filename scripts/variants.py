@@ -64,6 +64,10 @@ VARIANTS = {
     # ... with the row tiles of requests whose tiles are each worth >= n blocks' shares cut at common key offsets, so
     # that their blocks read each key together (plan(align_shares=n), aligned_split)
     **{f"wgmma_seesaw64_aligned{n}": (KernelConfig.blocks64(), {"align_shares": float(n)}) for n in (3, 6)},
+    **{
+        f"wgmma_seesaw64_aligned6_seg{m}": (KernelConfig.blocks64(), {"align_shares": 6.0, "segment_units": float(m)})
+        for m in (8, 10, 12)
+    },
     # ... placed with a segment weighed n units (the cost model's segment is 10/9 / 0.82 = 1.35x a split-key one in its
     # own units), a short row tile's SHORT_SEGMENT_UNITS more (plan's default)
     **{

@@ -449,6 +449,25 @@ def test_one_row_tile_a_block(kern):
     check_against_references(cap, 0, AttnOutput(o, lse))
 
 
+def test_a_long_request_cut_alike(kern):
+    """The bench's mixed batch (prefixes 100 to 45,000 keys, N 65), on this GPU's candidates: on Hopper the cost
+    model takes the aligned plan on 64-key blocks (the 45,000-key request's nine row tiles cut at the same key
+    offsets, the other requests balanced with a segment weighed ALIGN_SEGMENT_UNITS), against the references."""
+    from kdtree.bench import CASES
+    from kdtree.kernel import Workspace
+
+    cap = synthesize(next(c for c in CASES if c.name == "kimi-tp8 mixed").spec(), device="cuda")
+    args, H = marshal(cap), cap.meta.num_heads
+    p = kern.plan(args, H)
+    if not p.aligned:
+        pytest.skip("this GPU's candidates plan the mixed batch without an aligned split (64-key blocks are Hopper's)")
+    kern.compiled(p.config)
+    p = p.to("cuda")
+    o, lse = poisoned((cap.num_tokens, H, 512), "cuda"), torch.full((cap.num_tokens, H), float("nan"), device="cuda")
+    kern.launch(p, args.to("cuda"), cap.layer(0).q.cuda(), cap.pool(0, "cuda"), o, lse, Workspace.for_plan(p))
+    check_against_references(cap, 0, AttnOutput(o, lse))
+
+
 def test_flashinfer_on_chains_agrees_with_the_oracle_and_the_kernel(kern):
     """FlashInfer's causal MLA kernel (kdtree.flashinfer_mla, where FlashInfer imports) on chain drafts: against the
     fp64 oracle as the kernel is held, and against the kernel itself (an independent implementation of the same

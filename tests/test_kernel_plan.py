@@ -251,6 +251,34 @@ def test_plans_with_long_requests_aligned_still_do_every_unit_once():
     assert all(torch.equal(aligned.arrays[k], balanced.arrays[k]) for k in balanced.arrays)
 
 
+def test_choose_plan_cuts_only_mixed_alike(monkeypatch):
+    """Of the twelve bench cases on sm_90's candidates (with and without the H200's L2), only mixed takes the aligned
+    candidate: its 45,000-key request cut alike on 64-key blocks, the plan the cost model weighs cheapest (0.208 ms
+    against 0.224 balanced, docs/bench/variants-aligned-seg-h200.log); with no request long enough it is the
+    balanced plan on 64-key blocks again."""
+    import kdtree.kernel.planner as planner
+    from kdtree.bench import ALL_CASES
+    from kdtree.kernel import choose_plan
+
+    configs = KernelConfig.candidates("sm_90")
+    picked = {}
+    for case in ALL_CASES:
+        cap = synthesize(case.spec(), reference=False)
+        args, H = marshal(cap), cap.meta.num_heads
+        for l2 in (None, 60 << 20):
+            p = choose_plan(args, H, 132, configs, l2_bytes=l2)
+            if p.aligned:
+                assert p.config.wg_blocks64 and p.split, case.name
+                picked[case.name] = p
+    assert sorted(picked) == ["kimi-tp8 mixed"]
+    cap = synthesize(next(c for c in ALL_CASES if c.name == "kimi-tp8 mixed").spec(), reference=False)
+    args, H = marshal(cap), cap.meta.num_heads
+    monkeypatch.setattr(planner, "ALIGN_SHARES", 1e9)
+    p = choose_plan(args, H, 132, configs)
+    assert not p.aligned and p.config.wg_blocks64
+    assert planner.estimated_cost(p) > planner.estimated_cost(picked["kimi-tp8 mixed"])
+
+
 def test_short_row_tiles_weigh_their_segments_more():
     """A row tile of at most SHORT_TILE_UNITS key tiles pays SHORT_SEGMENT_UNITS more a segment: the block that
     holds two short requests' row tiles takes fewer units than when they weigh as any other, the other blocks

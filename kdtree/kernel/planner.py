@@ -45,6 +45,7 @@ class LaunchPlan:
     block_segments: np.ndarray | None = field(default=None, repr=False)
     # ... and its weighted units with each segment padded as its body runs it (`padded_units`)
     block_padded_work: np.ndarray | None = field(default=None, repr=False)
+    aligned: bool = False  # some request's row tiles cut at common key offsets (`aligned_split`)
 
     @property
     def split(self) -> bool:
@@ -206,6 +207,13 @@ def block_costs(bounds: np.ndarray, rt_unit_start: np.ndarray, segment_units, rt
 
 
 ALIGN_SLACK = 1.06  # an aligned split may put this much more work than the balanced one into its largest block
+# `choose_plan`'s aligned candidate, on FlashMLA's schedule on 64-key blocks: a request is cut alike where each of
+# its row tiles is worth ALIGN_SHARES blocks' shares, and the split weighs a segment ALIGN_SEGMENT_UNITS. An H200
+# trace of mixed so planned fitted 1.05-1.06 us a unit and 12.2-12.6 us a segment, short or long, over its 132
+# blocks (scripts/trace_case.py --blocks64 --align-shares 6; docs/kernel-design.md, "Cost model"); at the balanced
+# plan's 5 the aligned request's pieces finished first and three blocks of four segments last.
+ALIGN_SHARES = 6.0
+ALIGN_SEGMENT_UNITS = 12.0
 
 
 def aligned_split(
@@ -355,7 +363,8 @@ def plan(
     cta_unit_start = None
     if align_shares is not None:
         cta_unit_start = aligned_split(rt_unit_start, rt_request, grid, rt_segment, rt_weight, align_shares, padded_units(config))
-    if cta_unit_start is None:
+    aligned = cta_unit_start is not None
+    if not aligned:
         cta_unit_start = balanced_split(rt_unit_start, grid, rt_segment, rt_weight)
     grid = len(cta_unit_start) - 1
     cta_first_rt = np.searchsorted(rt_unit_start, cta_unit_start[:-1], side="right") - 1
@@ -407,6 +416,7 @@ def plan(
         block_work=weighted_units(cta_unit_start, rt_unit_start, rt_weight),
         block_segments=counts,
         block_padded_work=np.bincount(seg_block, weights=padded, minlength=grid),
+        aligned=aligned,
     )
 
 
@@ -473,9 +483,17 @@ def choose_plan(
     once instead of sweeping them together. Where the batch's pool rows exceed the L2 cache (`l2_bytes`, the
     GPU's; None or 0: unknown) those reads go to HBM: every split plan then costs L2_SPREAD_COST more, and a batch
     with fewer row tiles than blocks is also planned one tile a block, kept where nothing is split
-    (docs/kernel-design.md, "Cost model")."""
+    (docs/kernel-design.md, "Cost model"). On 64-key blocks a batch with a request long enough to be cut alike
+    (ALIGN_SHARES) is also planned so (`aligned_split`, a segment weighed ALIGN_SEGMENT_UNITS), and weighed as any
+    other plan."""
     options = [(c, v) for c in configs for v in (True, False)]
     plans = [plan(args, num_heads, num_sms, c, visible_keys=v) for c, v in options]
+    aligned = (
+        plan(args, num_heads, num_sms, c, align_shares=ALIGN_SHARES, segment_units=ALIGN_SEGMENT_UNITS)
+        for c in configs
+        if c.wg_blocks64
+    )
+    plans += [p for p in aligned if p.aligned]
     if not l2_bytes or pool_row_bytes(args) <= l2_bytes:
         return min(plans, key=estimated_cost)
     whole = [
