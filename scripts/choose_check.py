@@ -1,7 +1,7 @@
 """Does the cost model pick the fastest configuration? Each batch (bench cases by substring, and fuzz batches by
 seed) planned with every candidate of this GPU's target, each on the plan `choose_plan` would make with it alone
 (row tiles to their last visible key or over all keys, one tile a block over L2), and timed (median, L2 flushed),
-beside the one `choose_plan` picks; prints one line a batch and the geomean of the pick's time over the fastest, writes
+beside the one `choose_plan` picks (an aligned pick on 64-key blocks, "b64-al", beside that body's balanced plan); prints one line a batch and the geomean of the pick's time over the fastest, writes
 choose-check.json to $OUT.
 
 Usage: python3 scripts/choose_check.py [--cases substring ...] [--fuzz N] [--seeds S ...]   (needs a GPU)
@@ -53,7 +53,11 @@ def main():
         for c, kern in kerns.items():  # each configuration on the plan the cost model would run it with
             p = (pick if c == pick.config else choose_plan(args, H, kern.num_sms, (c,), l2_bytes=l2)).to("cuda")
             times[name_of(c)] = median_ms(kern, bench.CaseLaunch(cap, p, dev, q, pool, *bench.launch_outputs(cap, p)))
-        picked = name_of(pick.config)
+            if p.aligned:  # ... and that body's balanced plan, under its own name
+                times[name_of(c) + "-al"] = times[name_of(c)]
+                p = choose_plan(args, H, kern.num_sms, (c,), l2_bytes=l2, aligned=False).to("cuda")
+                times[name_of(c)] = median_ms(kern, bench.CaseLaunch(cap, p, dev, q, pool, *bench.launch_outputs(cap, p)))
+        picked = name_of(pick.config) + ("-al" if pick.aligned else "")
         fastest = min(times, key=times.get)
         ratios.append(times[picked] / times[fastest])
         rows[name] = {"times_ms": times, "picked": picked, "grid": pick.grid, "cost": estimated_cost(pick)}

@@ -473,7 +473,13 @@ def pool_row_bytes(args: VerifyArgs) -> int:
 
 
 def choose_plan(
-    args: VerifyArgs, num_heads: int, num_sms: int, configs: tuple[KernelConfig, ...], *, l2_bytes: int | None = None
+    args: VerifyArgs,
+    num_heads: int,
+    num_sms: int,
+    configs: tuple[KernelConfig, ...],
+    *,
+    l2_bytes: int | None = None,
+    aligned: bool = True,
 ) -> LaunchPlan:
     """Plan the batch with each configuration, its row tiles ending at their last visible key and not, and keep
     the cheapest by `estimated_cost` (the first on ties). Equal row tiles can fill the grid one a block with no
@@ -485,15 +491,15 @@ def choose_plan(
     with fewer row tiles than blocks is also planned one tile a block, kept where nothing is split
     (docs/kernel-design.md, "Cost model"). On 64-key blocks a batch with a request long enough to be cut alike
     (ALIGN_SHARES) is also planned so (`aligned_split`, a segment weighed ALIGN_SEGMENT_UNITS), and weighed as any
-    other plan."""
+    other plan (`aligned`=False: not)."""
     options = [(c, v) for c in configs for v in (True, False)]
     plans = [plan(args, num_heads, num_sms, c, visible_keys=v) for c, v in options]
-    aligned = (
+    cut_alike = (
         plan(args, num_heads, num_sms, c, align_shares=ALIGN_SHARES, segment_units=ALIGN_SEGMENT_UNITS)
         for c in configs
-        if c.wg_blocks64
+        if c.wg_blocks64 and aligned
     )
-    plans += [p for p in aligned if p.aligned]
+    plans += [p for p in cut_alike if p.aligned]
     if not l2_bytes or pool_row_bytes(args) <= l2_bytes:
         return min(plans, key=estimated_cost)
     whole = [
