@@ -229,6 +229,7 @@ def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
         "wgmma": p.config.wgmma,
         "few_rows": p.config.few_row_limit,
         "blocks64": p.config.wg_blocks64,
+        "aligned": p.aligned,
         "smem": p.config.smem_bytes,
     }
     return fn, o, info
