@@ -78,15 +78,12 @@ def main():
     trace_all = kern.cupy.ndarray((max_grid, 32), dtype=kern.cupy.uint64, memptr=kern.module.get_global("vmla_trace"))
     results = {}
     for case, su in ((c, su) for c in cases for su in a.segment_units):
-        balanced = {}
-
         def plan_fn(args, H, su=su):
-            balanced["p"] = plan(args, H, kern.num_sms, config, segment_units=su)
             return plan(args, H, kern.num_sms, config, segment_units=su, align_shares=a.align_shares)
 
         run = bench.case_launch(case, plan_fn)
         p = run.plan
-        aligned = not torch.equal(p.arrays["cta_unit_start"].cpu(), balanced["p"].arrays["cta_unit_start"])
+        aligned = p.aligned
         trace = trace_all[: p.grid]  # this plan's blocks
         tiles = segment_tiles(p)
         reps = []
