@@ -1,7 +1,8 @@
 """Does the cost model pick the fastest configuration? Each batch (bench cases by substring, and fuzz batches by
 seed) planned with every candidate of this GPU's target, each on the plan `choose_plan` would make with it alone
 (row tiles to their last visible key or over all keys, one tile a block over L2), and timed (median, L2 flushed),
-beside the one `choose_plan` picks (an aligned pick on 64-key blocks, "b64-al", beside that body's balanced plan); prints one line a batch and the geomean of the pick's time over the fastest, writes
+beside the one `choose_plan` picks (an aligned plan on 64-key blocks, "b64-al", beside that body's balanced
+plan); prints one line a batch and the geomean of the pick's time over the fastest, writes
 choose-check.json to $OUT.
 
 Usage: python3 scripts/choose_check.py [--cases substring ...] [--fuzz N] [--seeds S ...]   (needs a GPU)

@@ -78,6 +78,7 @@ def main():
     trace_all = kern.cupy.ndarray((max_grid, 32), dtype=kern.cupy.uint64, memptr=kern.module.get_global("vmla_trace"))
     results = {}
     for case, su in ((c, su) for c in cases for su in a.segment_units):
+
         def plan_fn(args, H, su=su):
             return plan(args, H, kern.num_sms, config, segment_units=su, align_shares=a.align_shares)
 

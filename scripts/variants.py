@@ -75,7 +75,7 @@ VARIANTS = {
             KernelConfig.blocks64(),
             {"segment_units": float(n)},
         )
-        for n in (6, 7, 8, 10, 14, 20)
+        for n in (6, 7, 8, 10, 12, 14, 20)
     },
     # ... and with a short row tile's segment (at most SHORT_TILE_UNITS units) weighed n units more than a segment
     # (default SHORT_SEGMENT_UNITS; 0: as any other)

@@ -254,8 +254,8 @@ def test_plans_with_long_requests_aligned_still_do_every_unit_once():
 def test_choose_plan_cuts_only_mixed_alike(monkeypatch):
     """Of the twelve bench cases on sm_90's candidates (with and without the H200's L2), only mixed takes the aligned
     candidate: its 45,000-key request cut alike on 64-key blocks, the plan the cost model weighs cheapest (0.208 ms
-    against 0.224 balanced, docs/bench/variants-aligned-seg-h200.log); with no request long enough it is the
-    balanced plan on 64-key blocks again."""
+    against 0.224 balanced, docs/bench/variants-aligned-h200.log); with no request long enough, or `aligned`=False,
+    it is the balanced plan on 64-key blocks again."""
     import kdtree.kernel.planner as planner
     from kdtree.bench import ALL_CASES
     from kdtree.kernel import choose_plan
@@ -273,9 +273,11 @@ def test_choose_plan_cuts_only_mixed_alike(monkeypatch):
     assert sorted(picked) == ["kimi-tp8 mixed"]
     cap = synthesize(next(c for c in ALL_CASES if c.name == "kimi-tp8 mixed").spec(), reference=False)
     args, H = marshal(cap), cap.meta.num_heads
+    off = choose_plan(args, H, 132, configs, aligned=False)
     monkeypatch.setattr(planner, "ALIGN_SHARES", 1e9)
     p = choose_plan(args, H, 132, configs)
     assert not p.aligned and p.config.wg_blocks64
+    assert p.arrays["cta_unit_start"].tolist() == off.arrays["cta_unit_start"].tolist() and not off.aligned
     assert planner.estimated_cost(p) > planner.estimated_cost(picked["kimi-tp8 mixed"])
 
 

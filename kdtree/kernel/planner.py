@@ -21,7 +21,8 @@ PLAN_ARRAYS = FWD_ARRAYS + ("row_merge",)
 
 @dataclass
 class LaunchPlan:
-    """A stream-K split of one batch: the (row tile, key tile) work units shared by `grid` blocks (`balanced_split`).
+    """A stream-K split of one batch: the (row tile, key tile) work units shared by `grid` blocks (`balanced_split`,
+    or `aligned_split` where `aligned`).
 
     The arrays are int32; `to(device)` moves them once, before any launch or graph capture. For CUDA-graph
     replay with other lengths, plan again and copy the new arrays into the captured ones (same sizes when
@@ -208,10 +209,10 @@ def block_costs(bounds: np.ndarray, rt_unit_start: np.ndarray, segment_units, rt
 
 ALIGN_SLACK = 1.06  # an aligned split may put this much more work than the balanced one into its largest block
 # `choose_plan`'s aligned candidate, on FlashMLA's schedule on 64-key blocks: a request is cut alike where each of
-# its row tiles is worth ALIGN_SHARES blocks' shares, and the split weighs a segment ALIGN_SEGMENT_UNITS. An H200
-# trace of mixed so planned fitted 1.05-1.06 us a unit and 12.2-12.6 us a segment, short or long, over its 132
-# blocks (scripts/trace_case.py --blocks64 --align-shares 6; docs/kernel-design.md, "Cost model"); at the balanced
-# plan's 5 the aligned request's pieces finished first and three blocks of four segments last.
+# its row tiles is worth at least ALIGN_SHARES blocks' shares, and the split weighs a segment ALIGN_SEGMENT_UNITS (a
+# short tile's SHORT_SEGMENT_UNITS more, as timed). An H200 trace of mixed so planned fitted 1.05-1.06 us a unit and
+# 12.2-12.6 us a segment, short or long, over its 132 blocks; the weights 5, 8, 10 and 12 timed side by side, 12 the
+# fastest (docs/kernel-design.md, "Pool rows over L2"; docs/bench/trace-aligned-h200.*, variants-aligned-h200.log).
 ALIGN_SHARES = 6.0
 ALIGN_SEGMENT_UNITS = 12.0
 
@@ -333,9 +334,9 @@ def plan(
     `few_row_weight(config)`).
     `fused_merge` (default: when no tile is split into more than FUSED_MERGE_SEGS partials, on the mma.sync
     paths) lets the kernel merge split tiles itself instead of launching verify_mla_merge. `grid` caps the
-    persistent blocks below one per SM slot (`scripts/variants.py`: whole row tiles a block). `align_shares` (an
-    experiment, `scripts/variants.py`): the row tiles of requests whose tiles are each worth at least that many
-    blocks' shares are cut at common key offsets (`aligned_split`), the rest balanced as before."""
+    persistent blocks below one per SM slot (`scripts/variants.py`: whole row tiles a block). `align_shares`: the
+    row tiles of requests whose tiles are each worth at least that many blocks' shares are cut at common key offsets
+    (`aligned_split`, `choose_plan`'s aligned candidate), the rest balanced as before."""
     if grid is not None and grid < 1:
         raise ValueError(f"plan: grid must be at least 1 block, got {grid}")
     n = (args.qo_indptr[1:] - args.qo_indptr[:-1]).numpy().astype(np.int64)
@@ -490,8 +491,9 @@ def choose_plan(
     GPU's; None or 0: unknown) those reads go to HBM: every split plan then costs L2_SPREAD_COST more, and a batch
     with fewer row tiles than blocks is also planned one tile a block, kept where nothing is split
     (docs/kernel-design.md, "Cost model"). On 64-key blocks a batch with a request long enough to be cut alike
-    (ALIGN_SHARES) is also planned so (`aligned_split`, a segment weighed ALIGN_SEGMENT_UNITS), and weighed as any
-    other plan (`aligned`=False: not)."""
+    (ALIGN_SHARES) is also planned so (`aligned_split`, a segment weighed ALIGN_SEGMENT_UNITS; `aligned`=False:
+    not), and weighed as any other split plan, L2_SPREAD_COST included: `estimated_cost` has no term for the
+    aligned request's keys read together, so the candidate wins by its balance alone."""
     options = [(c, v) for c in configs for v in (True, False)]
     plans = [plan(args, num_heads, num_sms, c, visible_keys=v) for c, v in options]
     cut_alike = (
@@ -499,15 +501,18 @@ def choose_plan(
         for c in configs
         if c.wg_blocks64 and aligned
     )
-    plans += [p for p in cut_alike if p.aligned]
+    cut_alike = [p for p in cut_alike if p.aligned]
     if not l2_bytes or pool_row_bytes(args) <= l2_bytes:
-        return min(plans, key=estimated_cost)
+        return min(plans + cut_alike, key=estimated_cost)
     whole = [
         plan(args, num_heads, num_sms, c, visible_keys=v, grid=p.row_tiles)
         for (c, v), p in zip(options, plans)
         if p.row_tiles < p.grid
     ]
-    return min(plans + [p for p in whole if not p.split], key=lambda p: estimated_cost(p) * (1 + L2_SPREAD_COST * p.split))
+    return min(
+        plans + cut_alike + [p for p in whole if not p.split],
+        key=lambda p: estimated_cost(p) * (1 + L2_SPREAD_COST * p.split),
+    )
 
 
 @dataclass
