@@ -37,8 +37,9 @@ def summarize(tr: np.ndarray, tiles: list[list[int]]) -> dict:
         o = 0.0
         for s, n in enumerate(segs[:6]):
             e = us[c, 1 + 5 * s : 6 + 5 * s]
-            seg["prologue"].append(e[1] - e[0])
-            seg["first_tile"].append(e[2] - e[1])
+            if tr[c, 2 + 5 * s]:  # (the 64-key-block segment stamps no "Q and slot ids landed")
+                seg["prologue"].append(e[1] - e[0])
+                seg["first_tile"].append(e[2] - e[1])
             if n > 1:
                 seg["per_tile"].append((e[3] - e[2]) / n)
             seg["epilogue"].append(e[4] - e[3])
