@@ -1,4 +1,4 @@
-"""`kdtree` command line: info, synth, diff.
+"""`kdtree` command line: info, synth, diff, compile, plan, bench.
 
 Exit codes: 0 success / within tolerance, 1 outside tolerance, 2 bad input (one line on stderr, no traceback).
 """
@@ -244,6 +244,49 @@ def compile_(
         for r in reports:
             typer.echo(r.line())
     raise typer.Exit(0 if all(r.ok for r in reports) else 1)
+
+
+@app.command("plan")
+@bad_input_exits_2
+def plan_(
+    captures: Optional[List[Path]] = typer.Argument(None, help="capture files (.safetensors)"),
+    case: Optional[List[str]] = typer.Option(None, help="bench cases whose name contains this (repeatable)"),
+    target: str = typer.Option("sm_90", help="plan with this target's candidates: sm_90 (Hopper), sm_120, ..."),
+    sms: int = typer.Option(132, help="SMs of the GPU planned for (H200 132, RTX PRO 6000 188)"),
+    l2_mib: float = typer.Option(60.0, "--l2-mib", help="its L2 cache in MiB (H200 60, RTX PRO 6000 ~122; 0: unknown)"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+):
+    """Show every plan the cost model weighs for a batch on a target, and its pick: body, key range, split,
+    grid, partial slots, the largest and mean block (padded units), the most segments a block holds, cost. No GPU
+    needed."""
+    from kdtree.kernel.config import TARGET_NAMES, KernelConfig
+    from kdtree.marshal import marshal
+    from kdtree.plan_report import format_rows, plan_rows
+
+    if target not in TARGET_NAMES:
+        raise ValueError(f"--target: unknown target {target!r}; expected one of {' '.join(TARGET_NAMES)}")
+    if sms < 1 or l2_mib < 0:
+        raise ValueError(f"--sms must be at least 1 and --l2-mib not negative (got {sms}, {l2_mib})")
+    if not captures and not case:
+        raise ValueError("give capture files, or --case with a bench case's name")
+    batches = [(str(p), load(p)) for p in captures or []]
+    if case:
+        from kdtree import bench as b
+        from kdtree.synth import synthesize
+
+        picked = b.select_cases(case)
+        if not picked:
+            raise ValueError(f"--case matches none of: {', '.join(c.name for c in b.ALL_CASES)}")
+        batches += [(c.name, synthesize(c.spec(), reference=False)) for c in picked]
+    configs = KernelConfig.candidates(target)
+    out = {}
+    for name, cap in batches:
+        rows = plan_rows(marshal(cap), cap.meta.num_heads, sms, configs, l2_bytes=int(l2_mib * 2**20))
+        out[name] = rows
+        if not as_json:
+            typer.echo(format_rows(f"{name}: {target}, {sms} SMs, L2 {l2_mib:g} MiB", rows) + "\n")
+    if as_json:
+        typer.echo(json.dumps(out, indent=1))
 
 
 @app.command()

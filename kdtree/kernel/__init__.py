@@ -52,6 +52,7 @@ from kdtree.kernel.planner import (
     last_visible_draft_key,
     plan,
     row_tile_key_tiles,
+    weighed_plans,
 )
 
 __all__ = [
@@ -101,4 +102,5 @@ __all__ = [
     "source_hash",
     "target_arch",
     "use_nvrtc_library",
+    "weighed_plans",
 ]

@@ -47,6 +47,7 @@ class LaunchPlan:
     # ... and its weighted units with each segment padded as its body runs it (`padded_units`)
     block_padded_work: np.ndarray | None = field(default=None, repr=False)
     aligned: bool = False  # some request's row tiles cut at common key offsets (`aligned_split`)
+    visible_keys: bool = True  # row tiles end at the last key their rows may see (`plan(visible_keys=...)`)
 
     @property
     def split(self) -> bool:
@@ -418,6 +419,7 @@ def plan(
         block_segments=counts,
         block_padded_work=np.bincount(seg_block, weights=padded, minlength=grid),
         aligned=aligned,
+        visible_keys=visible_keys,
     )
 
 
@@ -482,9 +484,22 @@ def choose_plan(
     l2_bytes: int | None = None,
     aligned: bool = True,
 ) -> LaunchPlan:
-    """Plan the batch with each configuration, its row tiles ending at their last visible key and not, and keep
-    the cheapest by `estimated_cost` (the first on ties). Equal row tiles can fill the grid one a block with no
-    split, which tiles of uneven lengths (a big tree's) do not.
+    """The cheapest of `weighed_plans` (the first on ties)."""
+    return min(weighed_plans(args, num_heads, num_sms, configs, l2_bytes=l2_bytes, aligned=aligned), key=lambda pc: pc[1])[0]
+
+
+def weighed_plans(
+    args: VerifyArgs,
+    num_heads: int,
+    num_sms: int,
+    configs: tuple[KernelConfig, ...],
+    *,
+    l2_bytes: int | None = None,
+    aligned: bool = True,
+) -> list[tuple[LaunchPlan, float]]:
+    """Every plan `choose_plan` weighs, with the cost it weighs it by: the batch planned with each configuration,
+    its row tiles ending at their last visible key and not, each costed by `estimated_cost`. Equal row tiles can
+    fill the grid one a block with no split, which tiles of uneven lengths (a big tree's) do not.
 
     A split plan starts its blocks at many offsets into their tiles, so a request's blocks read all of its keys at
     once instead of sweeping them together. Where the batch's pool rows exceed the L2 cache (`l2_bytes`, the
@@ -503,16 +518,15 @@ def choose_plan(
     )
     cut_alike = [p for p in cut_alike if p.aligned]
     if not l2_bytes or pool_row_bytes(args) <= l2_bytes:
-        return min(plans + cut_alike, key=estimated_cost)
+        return [(p, estimated_cost(p)) for p in plans + cut_alike]
     whole = [
         plan(args, num_heads, num_sms, c, visible_keys=v, grid=p.row_tiles)
         for (c, v), p in zip(options, plans)
         if p.row_tiles < p.grid
     ]
-    return min(
-        plans + cut_alike + [p for p in whole if not p.split],
-        key=lambda p: estimated_cost(p) * (1 + L2_SPREAD_COST * p.split),
-    )
+    return [
+        (p, estimated_cost(p) * (1 + L2_SPREAD_COST * p.split)) for p in plans + cut_alike + [p for p in whole if not p.split]
+    ]
 
 
 @dataclass

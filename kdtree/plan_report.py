@@ -1,0 +1,60 @@
+"""How the cost model plans a batch, without a GPU: every plan `choose_plan` weighs on a target (body, row tiles
+to their last visible key or over all keys, cut alike or balanced, one tile a block), its grid, partial slots,
+largest and mean block and most segments a block, the cost it is weighed by, and the pick (`kdtree plan`)."""
+
+from __future__ import annotations
+
+from kdtree.kernel import KernelConfig, LaunchPlan, weighed_plans
+from kdtree.marshal import VerifyArgs
+
+
+def body_name(config: KernelConfig) -> str:
+    """The segment body, in the design doc's words."""
+    if not config.wgmma:
+        return f"mma.sync BM {config.bm}"
+    if config.wg_blocks64:
+        return "64-key blocks"
+    return ("split keys" if config.wg_split else "dims split") + (" + few" if config.few_rows else "")
+
+
+def plan_row(p: LaunchPlan, cost: float, picked: bool) -> dict:
+    """One weighed plan as numbers (per block: padded units and segments, as `estimated_cost` reads them)."""
+    padded, segments = p.block_padded_work, p.block_segments  # (host plans: `weighed_plans` makes no others)
+    return {
+        "body": body_name(p.config),
+        "keys": "visible" if p.visible_keys else "all",
+        "split": "aligned" if p.aligned else ("one tile a block" if not p.split and p.grid == p.row_tiles else "balanced"),
+        "grid": p.grid,
+        "row_tiles": p.row_tiles,
+        "units": p.units,
+        "partial_slots": p.segments,
+        "max_block_units": float(padded.max()),
+        "mean_block_units": float(padded.mean()),
+        "max_block_segments": int(segments.max()),
+        "cost": float(cost),
+        "picked": picked,
+    }
+
+
+def plan_rows(
+    args: VerifyArgs, num_heads: int, num_sms: int, configs: tuple[KernelConfig, ...], *, l2_bytes: int | None
+) -> list[dict]:
+    """Every plan `choose_plan` weighs for this batch, cheapest first; the pick (the first of the cheapest, as
+    `choose_plan` takes it) marked."""
+    weighed = weighed_plans(args, num_heads, num_sms, configs, l2_bytes=l2_bytes)
+    pick = min(range(len(weighed)), key=lambda i: weighed[i][1])
+    rows = [plan_row(p, cost, i == pick) for i, (p, cost) in enumerate(weighed)]
+    return sorted(rows, key=lambda r: (r["cost"], not r["picked"]))
+
+
+def format_rows(title: str, rows: list[dict]) -> str:
+    """A fixed-width table of `plan_rows`, the pick marked with '*'."""
+    head = f"{'':2s}{'body':18s} {'keys':7s} {'split':16s} {'grid':>4s} {'tiles':>5s} {'units':>6s} {'slots':>5s} {'max blk':>7s} {'mean':>6s} {'segs':>4s} {'cost':>8s}"
+    lines = [title, head]
+    for r in rows:
+        lines.append(
+            f"{'*' if r['picked'] else ' ':2s}{r['body']:18s} {r['keys']:7s} {r['split']:16s} {r['grid']:4d} {r['row_tiles']:5d} "
+            f"{r['units']:6d} {r['partial_slots']:5d} {r['max_block_units']:7.1f} {r['mean_block_units']:6.1f} "
+            f"{r['max_block_segments']:4d} {r['cost']:8.1f}"
+        )
+    return "\n".join(lines)
