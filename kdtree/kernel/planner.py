@@ -475,17 +475,9 @@ def pool_row_bytes(args: VerifyArgs) -> int:
     return int(args.combined_kv_indptr[-1] - args.combined_kv_indptr[0]) * POOL_ROW_BYTES
 
 
-def choose_plan(
-    args: VerifyArgs,
-    num_heads: int,
-    num_sms: int,
-    configs: tuple[KernelConfig, ...],
-    *,
-    l2_bytes: int | None = None,
-    aligned: bool = True,
-) -> LaunchPlan:
-    """The cheapest of `weighed_plans` (the first on ties)."""
-    return min(weighed_plans(args, num_heads, num_sms, configs, l2_bytes=l2_bytes, aligned=aligned), key=lambda pc: pc[1])[0]
+def choose_plan(args: VerifyArgs, num_heads: int, num_sms: int, configs: tuple[KernelConfig, ...], **options) -> LaunchPlan:
+    """The cheapest of `weighed_plans` (the first on ties); `options` are its keywords (`l2_bytes`, `aligned`)."""
+    return min(weighed_plans(args, num_heads, num_sms, configs, **options), key=lambda pc: pc[1])[0]
 
 
 def weighed_plans(
