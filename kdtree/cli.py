@@ -259,14 +259,16 @@ def plan_(
     """Show every plan the cost model weighs for a batch on a target, and its pick: body, key range, split,
     grid, partial slots, the largest and mean block (padded units), the most segments a block holds, cost. No GPU
     needed."""
+    import math
+
     from kdtree.kernel.config import TARGET_NAMES, KernelConfig
     from kdtree.marshal import marshal
-    from kdtree.plan_report import format_rows, plan_rows
+    from kdtree.plan_report import format_report, plan_report
 
     if target not in TARGET_NAMES:
         raise ValueError(f"--target: unknown target {target!r}; expected one of {' '.join(TARGET_NAMES)}")
-    if sms < 1 or l2_mib < 0:
-        raise ValueError(f"--sms must be at least 1 and --l2-mib not negative (got {sms}, {l2_mib})")
+    if sms < 1 or not math.isfinite(l2_mib) or l2_mib < 0:
+        raise ValueError(f"--sms must be at least 1 and --l2-mib finite and not negative (got {sms}, {l2_mib})")
     if not captures and not case:
         raise ValueError("give capture files, or --case with a bench case's name")
     batches = [(str(p), load(p)) for p in captures or []]
@@ -279,14 +281,15 @@ def plan_(
             raise ValueError(f"--case matches none of: {', '.join(c.name for c in b.ALL_CASES)}")
         batches += [(c.name, synthesize(c.spec(), reference=False)) for c in picked]
     configs = KernelConfig.candidates(target)
-    out = {}
-    for name, cap in batches:
-        rows = plan_rows(marshal(cap), cap.meta.num_heads, sms, configs, l2_bytes=int(l2_mib * 2**20))
-        out[name] = rows
-        if not as_json:
-            typer.echo(format_rows(f"{name}: {target}, {sms} SMs, L2 {l2_mib:g} MiB", rows) + "\n")
+    l2_bytes = int(l2_mib * 2**20)
+    reports = [
+        {"batch": name, "target": target} | plan_report(marshal(cap), cap.meta.num_heads, sms, configs, l2_bytes=l2_bytes)
+        for name, cap in batches
+    ]
     if as_json:
-        typer.echo(json.dumps(out, indent=1))
+        typer.echo(json.dumps(reports, indent=1))
+    else:
+        typer.echo("\n\n".join(format_report(f"{r['batch']}: {target}", r) for r in reports))
 
 
 @app.command()

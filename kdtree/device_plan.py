@@ -181,4 +181,5 @@ def plan_on_device(
         fused_merge=False,
         config=cfg,
         arrays={k: v.to(torch.int32) for k, v in arrays.items()},
+        visible_keys=shape.visible_keys,
     )

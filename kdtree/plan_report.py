@@ -1,10 +1,11 @@
 """How the cost model plans a batch, without a GPU: every plan `choose_plan` weighs on a target (body, row tiles
-to their last visible key or over all keys, cut alike or balanced, one tile a block), its grid, partial slots,
+to their last visible key or over all keys, aligned, balanced or one tile a block), its grid, partial slots,
 largest and mean block and most segments a block, the cost it is weighed by, and the pick (`kdtree plan`)."""
 
 from __future__ import annotations
 
 from kdtree.kernel import KernelConfig, LaunchPlan, weighed_plans
+from kdtree.kernel.planner import pool_row_bytes
 from kdtree.marshal import VerifyArgs
 
 
@@ -36,22 +37,34 @@ def plan_row(p: LaunchPlan, cost: float, picked: bool) -> dict:
     }
 
 
-def plan_rows(
+def plan_report(
     args: VerifyArgs, num_heads: int, num_sms: int, configs: tuple[KernelConfig, ...], *, l2_bytes: int | None
-) -> list[dict]:
-    """Every plan `choose_plan` weighs for this batch, cheapest first; the pick (the first of the cheapest, as
-    `choose_plan` takes it) marked."""
+) -> dict:
+    """The batch's pool rows against the L2 (over it, a split plan's cost includes L2_SPREAD_COST) and every plan
+    `choose_plan` weighs, cheapest first, its pick (the first of the cheapest) marked."""
     weighed = weighed_plans(args, num_heads, num_sms, configs, l2_bytes=l2_bytes)
     pick = min(range(len(weighed)), key=lambda i: weighed[i][1])
     rows = [plan_row(p, cost, i == pick) for i, (p, cost) in enumerate(weighed)]
-    return sorted(rows, key=lambda r: (r["cost"], not r["picked"]))
+    pool = pool_row_bytes(args)
+    return {
+        "sms": num_sms,
+        "l2_mib": l2_bytes / 2**20 if l2_bytes else None,
+        "pool_mib": pool / 2**20,
+        "over_l2": bool(l2_bytes) and pool > l2_bytes,
+        "plans": sorted(rows, key=lambda r: (r["cost"], not r["picked"])),
+    }
 
 
-def format_rows(title: str, rows: list[dict]) -> str:
-    """A fixed-width table of `plan_rows`, the pick marked with '*'."""
-    head = f"{'':2s}{'body':18s} {'keys':7s} {'split':16s} {'grid':>4s} {'tiles':>5s} {'units':>6s} {'slots':>5s} {'max blk':>7s} {'mean':>6s} {'segs':>4s} {'cost':>8s}"
-    lines = [title, head]
-    for r in rows:
+def format_report(title: str, report: dict) -> str:
+    """A fixed-width table of `plan_report`'s plans under a title line, the pick marked with '*'."""
+    l2 = "L2 unknown" if report["l2_mib"] is None else f"L2 {report['l2_mib']:g} MiB"
+    over = ": over it, split plans cost L2_SPREAD_COST more" if report["over_l2"] else ""
+    head = (
+        f"{'':2s}{'body':18s} {'keys':7s} {'split':16s} {'grid':>4s} {'tiles':>5s} {'units':>6s} {'slots':>5s} "
+        f"{'max blk':>7s} {'mean':>6s} {'segs':>4s} {'cost':>8s}"
+    )
+    lines = [f"{title}, {report['sms']} SMs, {l2}; pool rows {report['pool_mib']:.1f} MiB{over}", head]
+    for r in report["plans"]:
         lines.append(
             f"{'*' if r['picked'] else ' ':2s}{r['body']:18s} {r['keys']:7s} {r['split']:16s} {r['grid']:4d} {r['row_tiles']:5d} "
             f"{r['units']:6d} {r['partial_slots']:5d} {r['max_block_units']:7.1f} {r['mean_block_units']:6.1f} "

@@ -121,9 +121,10 @@ def test_compile_reports_every_configuration_and_refuses_a_missing_nvrtc(tmp_pat
 
 
 def test_plan_shows_what_the_cost_model_weighs_and_its_pick():
-    """`kdtree plan` on a shipped capture and a bench case (no GPU): every plan `choose_plan` weighs, cheapest first,
-    the one it picks marked, in the table and in --json; on Hopper mixed's pick is the aligned plan on 64-key
-    blocks, on sm_120 the only body is mma.sync at 32 rows."""
+    """`kdtree plan` on a shipped capture and bench cases (no GPU): every plan `choose_plan` weighs, cheapest first,
+    the one it picks marked, in the table and in --json; on Hopper with the H200's L2 mixed (81 MiB of pool rows)
+    is over it and picks the aligned plan on 64-key blocks, dsv3 32k x2 one tile a block; on sm_120 the only body
+    is mma.sync at 32 rows."""
     from kdtree.bench import ALL_CASES
     from kdtree.kernel import KernelConfig, choose_plan
     from kdtree.marshal import marshal
@@ -131,31 +132,39 @@ def test_plan_shows_what_the_cost_model_weighs_and_its_pick():
     from kdtree.synth import synthesize
 
     path = next(p for p in SHIPPED if "mixed" in p.name)
-    r = kdtree("plan", path, "--case", "mixed", "--json")
+    r = kdtree("plan", path, "--case", "mixed", "--case", "32k x2", "--json")
     assert r.returncode == 0, r.stderr
-    doc = json.loads(r.stdout)
-    mixed = next(c for c in ALL_CASES if c.name == "kimi-tp8 mixed")
-    for name, cap in ((str(path), load(path)), (mixed.name, synthesize(mixed.spec(), reference=False))):
-        rows = doc[name]
+    doc = {d["batch"]: d for d in json.loads(r.stdout)}
+    cases = {c.name: c for c in ALL_CASES}
+    for name in (str(path), "kimi-tp8 mixed", "dsv3-tp8 ddtree256 32k x2"):
+        cap = load(path) if name == str(path) else synthesize(cases[name].spec(), reference=False)
+        rows = doc[name]["plans"]
         assert [r["picked"] for r in rows].count(True) == 1 and rows[0]["picked"]
         assert [r["cost"] for r in rows] == sorted(r["cost"] for r in rows)
         p = choose_plan(marshal(cap), cap.meta.num_heads, 132, KernelConfig.candidates("sm_90"), l2_bytes=60 << 20)
         assert (rows[0]["body"], rows[0]["grid"], rows[0]["partial_slots"]) == (body_name(p.config), p.grid, p.segments)
-    assert (doc[mixed.name][0]["body"], doc[mixed.name][0]["split"]) == ("64-key blocks", "aligned")
+        assert rows[0]["keys"] == ("visible" if p.visible_keys else "all") and doc[name]["over_l2"] == (name != str(path))
+    assert (doc["kimi-tp8 mixed"]["plans"][0]["body"], doc["kimi-tp8 mixed"]["plans"][0]["split"]) == ("64-key blocks", "aligned")
+    assert doc["dsv3-tp8 ddtree256 32k x2"]["plans"][0]["split"] == "one tile a block"
     r = kdtree("plan", "--case", "mixed", "--target", "sm_120", "--sms", "188", "--l2-mib", "122")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("kimi-tp8 mixed: sm_120, 188 SMs") and lines[2].startswith("* mma.sync BM 32")
-    assert all("mma.sync BM 32" in l for l in lines[2:] if l.strip())
+    assert lines[0].startswith("kimi-tp8 mixed: sm_120, 188 SMs, L2 122 MiB; pool rows 81.") and "over it" not in lines[0]
+    assert lines[2].startswith("* mma.sync BM 32") and all("mma.sync BM 32" in l for l in lines[2:] if l.strip())
 
 
 def test_plan_bad_input_exits_2(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a capture")
     for args, what in (
         ([], "give capture files"),
         (["--case", "no such case"], "--case matches none"),
         (["--case", "mixed", "--target", "sm_99"], "unknown target"),
         (["--case", "mixed", "--sms", "0"], "--sms"),
-        ([tmp_path / "missing.safetensors"], "missing.safetensors"),
+        (["--case", "mixed", "--l2-mib", "inf"], "--l2-mib"),
+        ([SHIPPED[0], tmp_path / "missing.safetensors"], "missing.safetensors"),
+        ([bad], "bad.safetensors"),
     ):
         r = kdtree("plan", *args)
-        assert r.returncode == 2 and what in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+        assert r.returncode == 2 and r.stdout == "" and what in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
