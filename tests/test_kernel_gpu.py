@@ -34,6 +34,19 @@ def kern():
     return VerifyKernel.get()
 
 
+def launched(kern, cap, args, p) -> AttnOutput:
+    """Layer 0 of `cap` launched on host plan `p` (o poisoned and lse NaN first, so a row left out shows)."""
+    from kdtree.kernel import Workspace
+
+    p = p.to("cuda")
+    o, lse = (
+        poisoned((cap.num_tokens, cap.meta.num_heads, 512), "cuda"),
+        torch.full((cap.num_tokens, cap.meta.num_heads), float("nan"), device="cuda"),
+    )
+    kern.launch(p, args.to("cuda"), cap.layer(0).q.cuda(), cap.pool(0, "cuda"), o, lse, Workspace.for_plan(p))
+    return AttnOutput(o, lse)
+
+
 def check_against_references(cap, lid, out):
     ref = oracle(cap, lid, device="cuda")
     emu = emulate_triton(cap, lid, device="cuda")
@@ -432,7 +445,7 @@ def test_logit_cap_is_supported(kern):
 def test_one_row_tile_a_block(kern):
     """A batch of fewer equal row tiles than blocks (2 x 4,112 rows of DeepSeek-V3: 130 tiles of 64), planned as
     over L2 (one tile a block, the other blocks idle, nothing split), against the references."""
-    from kdtree.kernel import Workspace, choose_plan
+    from kdtree.kernel import choose_plan
 
     cap = synthesize(
         SynthSpec(preset="deepseek-v3-tp8", batch_size=2, prefix_lens=[2000, 2000], budget=256, seed=2), device="cuda"
@@ -443,10 +456,7 @@ def test_one_row_tile_a_block(kern):
         pytest.skip(f"{kern.num_sms} SMs: no idle block for {p.row_tiles} row tiles")
     assert p.grid == p.row_tiles and p.segments == 0, (p.grid, p.row_tiles, p.segments)
     kern.compiled(p.config)
-    p = p.to("cuda")
-    o, lse = poisoned((cap.num_tokens, H, 512), "cuda"), torch.full((cap.num_tokens, H), float("nan"), device="cuda")
-    kern.launch(p, args.to("cuda"), cap.layer(0).q.cuda(), cap.pool(0, "cuda"), o, lse, Workspace.for_plan(p))
-    check_against_references(cap, 0, AttnOutput(o, lse))
+    check_against_references(cap, 0, launched(kern, cap, args, p))
 
 
 def test_a_long_request_cut_alike(kern):
@@ -454,7 +464,7 @@ def test_a_long_request_cut_alike(kern):
     model takes the aligned plan on 64-key blocks (the 45,000-key request's nine row tiles cut at the same key
     offsets, the other requests balanced with a segment weighed ALIGN_SEGMENT_UNITS), against the references."""
     from kdtree.bench import CASES
-    from kdtree.kernel import Workspace, device_arch
+    from kdtree.kernel import device_arch
 
     if device_arch() != "sm_90":
         pytest.skip(f"64-key blocks, and so aligned plans, are Hopper's; this GPU is {device_arch()}")
@@ -462,10 +472,7 @@ def test_a_long_request_cut_alike(kern):
     args, H = marshal(cap), cap.meta.num_heads
     p = kern.plan(args, H)
     assert p.aligned and p.config.wg_blocks64
-    p = p.to("cuda")
-    o, lse = poisoned((cap.num_tokens, H, 512), "cuda"), torch.full((cap.num_tokens, H), float("nan"), device="cuda")
-    kern.launch(p, args.to("cuda"), cap.layer(0).q.cuda(), cap.pool(0, "cuda"), o, lse, Workspace.for_plan(p))
-    check_against_references(cap, 0, AttnOutput(o, lse))
+    check_against_references(cap, 0, launched(kern, cap, args, p))
 
 
 def test_flashinfer_on_chains_agrees_with_the_oracle_and_the_kernel(kern):

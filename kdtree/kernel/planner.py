@@ -242,15 +242,14 @@ def aligned_split(
     units_rt = np.diff(rt_unit_start).astype(np.int64)
     work_rt = units_rt * weight + seg
     share = work_rt.sum() / grid
-    pieces, tile_work, shortest = {}, {}, {}  # per long request: pieces a row tile, a tile's mean work, shortest tile
+    pieces, shortest = {}, {}  # per long request: pieces a row tile (about a share each), its shortest tile's units
     for r in np.unique(rt_request):
         tiles = np.flatnonzero(rt_request == r)
         k0 = int(units_rt[tiles].min())
         if len(tiles) < 2 or work_rt[tiles].min() < min_shares * share or k0 // pad < 2:
             continue
-        r = int(r)
-        tile_work[r], shortest[r] = float(work_rt[tiles].mean()), k0
-        pieces[r] = int(max(2, min(round(tile_work[r] / share), k0 // pad)))
+        pieces[int(r)] = int(max(2, min(round(work_rt[tiles].mean() / share), k0 // pad)))
+        shortest[int(r)] = k0
     if not pieces:
         return None
     runs = []  # maximal runs [i, j) of other row tiles
