@@ -269,11 +269,12 @@ def sglang_fn(cap: Capture, args: VerifyArgs, sets, extend_attention_fwd):
     return fn, o, {"launch": how}
 
 
-def flashinfer_fn(cap: Capture, args: VerifyArgs, sets, flashinfer):
-    """FlashInfer's MLA paged wrapper with a causal mask (chain drafts only; kdtree.flashinfer_mla)."""
-    from kdtree.flashinfer_mla import causal_step
+def flashinfer_fn(cap: Capture, args: VerifyArgs, sets, flashinfer, backends=None):
+    """FlashInfer's MLA paged wrapper with a causal mask (chain drafts only; kdtree.flashinfer_mla), the first of
+    `backends` that runs (default: its Hopper kernel, then its portable one)."""
+    from kdtree.flashinfer_mla import BACKENDS, causal_step
 
-    step, o, info = causal_step(cap, args, *sets[0], flashinfer)
+    step, o, info = causal_step(cap, args, *sets[0], flashinfer, backends or BACKENDS)
     fn, how = graphed(sets, step)
     return fn, o, info | {"launch": how}
 
@@ -293,10 +294,17 @@ class CaseResult:
 
 
 def run(
-    cases=ALL_CASES, *, with_sglang: bool = True, with_flashinfer: bool = False, min_rotation_bytes: float = 3 * 60e6, log=print
+    cases=ALL_CASES,
+    *,
+    with_sglang: bool = True,
+    with_flashinfer: bool = False,
+    flashinfer_backends=None,
+    min_rotation_bytes: float = 3 * 60e6,
+    log=print,
 ) -> dict:
     """Time every case with kdtree, torch, SGLang's Triton kernel (`with_sglang`, where it imports) and FlashInfer's
-    causal MLA kernel (`with_flashinfer`, where it imports; chain cases only), in this run, with its ceilings."""
+    causal MLA kernel (`with_flashinfer`, where it imports; chain cases only; the first of `flashinfer_backends`
+    that runs), in this run, with its ceilings."""
     import triton.testing
 
     def do_bench(fn):
@@ -335,7 +343,7 @@ def run(
         if ext is not None:
             impls["sglang"] = lambda: sglang_fn(cap, args, sets, ext)
         if fi is not None and case.chain:
-            impls["flashinfer"] = lambda: flashinfer_fn(cap, args, sets, fi)
+            impls["flashinfer"] = lambda: flashinfer_fn(cap, args, sets, fi, flashinfer_backends)
         outs = {}
         for name, make in impls.items():
             try:

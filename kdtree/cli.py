@@ -311,6 +311,12 @@ def bench(
         help="the cases with chain drafts (EAGLE topk 1), with FlashInfer's causal MLA kernel timed beside kdtree "
         "where FlashInfer imports",
     ),
+    flashinfer_backend: Optional[str] = typer.Option(
+        None,
+        "--flashinfer-backend",
+        help="with --chain: FlashInfer's MLA backend to time (fa3: its Hopper kernel; fa2: its portable mma.sync one, "
+        "what an sm_120 part runs); default: fa3 where it runs, else fa2",
+    ),
     sglang_backend: bool = typer.Option(
         False,
         "--sglang",
@@ -325,6 +331,10 @@ def bench(
 
     if chain and sglang_backend:
         _fail("--chain and --sglang do not combine: --sglang times the backend on DDTree steps")
+    from kdtree.flashinfer_mla import BACKENDS
+
+    if flashinfer_backend is not None and (not chain or flashinfer_backend not in BACKENDS):
+        _fail(f"--flashinfer-backend: one of {' '.join(BACKENDS)}, with --chain (got {flashinfer_backend!r})")
     if target is not None:
         from kdtree.kernel.config import TARGET_NAMES
 
@@ -352,7 +362,8 @@ def bench(
         _fail(f"--case matches none of: {', '.join(c.name for c in b.ALL_CASES)}")
     if chain:
         cases = [c.as_chain() for c in cases]
-    result = b.run(cases, with_sglang=not no_sglang, with_flashinfer=chain, log=typer.echo)
+    backends = (flashinfer_backend,) if flashinfer_backend else None
+    result = b.run(cases, with_sglang=not no_sglang, with_flashinfer=chain, flashinfer_backends=backends, log=typer.echo)
     js, png = b.save(result, out)
     typer.echo(b.summary_table(result))
     typer.echo(f"wrote {js} and {png}")

@@ -52,6 +52,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         ("synth", "-o", tmp_path / "x.safetensors", "--reference", "bogus"),
         ("bench", "--chain", "--sglang", "-o", tmp_path / "b"),
         ("bench", "--target", "sm_90a-B64", "-o", tmp_path / "b"),
+        ("bench", "--chain", "--flashinfer-backend", "fa4", "-o", tmp_path / "b"),
+        ("bench", "--flashinfer-backend", "fa2", "-o", tmp_path / "b"),
     ):
         r = kdtree(*args)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
