@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
-# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-ref|variants|notebooks|sglang|sglang-captures|sglang-bench|all] ...
+# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|notebooks|sglang|sglang-captures|sglang-bench|all] ...
 # (bench-chain: the chain cases with FlashInfer's causal MLA kernel beside kdtree; carry .whl/fi312.tar.xz alone)
+# (bench-chain-fa2: sm_120's configuration against FlashInfer's portable fa2 kernel, first as its dispatch sizes it
+#  for this GPU, then with the unpacked header's thresholds edited so it takes the branch it takes at sm_120's 99 KB)
 # (bench-ref: the kernel of an earlier commit, `git archive <commit> kdtree kernels` unpacked in ref-<commit>/, carried)
 # (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;
 #  quick: the shipped captures, the fused merge and determinism tests only)
@@ -32,12 +34,21 @@ for w in "$@"; do
            step quick 240 python3 -m pytest -q -x tests/test_kernel_gpu.py -k "fused or shipped or shared_memory or deterministic" ;;
     bench) step bench 240 python3 -m kdtree bench -o "$OUT" ;;
     bench-sm120) step bench-sm120 240 python3 -m kdtree bench -o "$OUT/sm120" --target sm_120 ;;
-    bench-chain) [ -f .whl/fi312.tar.xz ] && mkdir -p /tmp/site && { [ -d /tmp/site/flashinfer ] || tar -xJf .whl/fi312.tar.xz -C /tmp/site; } \
+    bench-chain|bench-chain-fa2) [ -f .whl/fi312.tar.xz ] && mkdir -p /tmp/site && { [ -d /tmp/site/flashinfer ] || tar -xJf .whl/fi312.tar.xz -C /tmp/site; } \
                    && export PYTHONPATH="/tmp/site:$PYTHONPATH"  # FlashInfer for cp312, when carried (scripts/pack_flashinfer.sh)
                  export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PATH="$PATH:/usr/local/cuda/bin" \
                    FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}  # its JIT's nvcc, for the H200
-                 step test-flashinfer 330 python3 -m pytest -q -rs tests/test_kernel_gpu.py -k flashinfer
-                 step bench-chain 300 python3 -m kdtree bench --chain -o "$OUT/chain" ;;
+                 if [ "$w" = bench-chain ]; then
+                   step test-flashinfer 330 python3 -m pytest -q -rs tests/test_kernel_gpu.py -k flashinfer
+                   step bench-chain 300 python3 -m kdtree bench --chain -o "$OUT/chain"
+                 else
+                   step bench-chain-fa2 280 python3 -m kdtree bench --chain --no-sglang --target sm_120 --flashinfer-backend fa2 -o "$OUT/fa2"
+                   mla=/tmp/site/flashinfer/data/include/flashinfer/attention/mla.cuh
+                   sed -i 's/smem_limit_per_sm >= 221696/smem_limit_per_sm >= 100000000/; s/smem_limit_per_sm >= 147968/smem_limit_per_sm >= 100000001/' "$mla" \
+                     && rm -rf ~/.cache/flashinfer \
+                     && step bench-chain-fa2-99k 280 python3 -m kdtree bench --chain --no-sglang --target sm_120 --flashinfer-backend fa2 -o "$OUT/fa2-99k"
+                   tar -xJf .whl/fi312.tar.xz -C /tmp/site ./flashinfer/data/include/flashinfer/attention/mla.cuh && rm -rf ~/.cache/flashinfer  # as shipped again
+                 fi ;;
     bench-ref) ref=$(ls -d ref-*/ 2>/dev/null | head -n 1)  # an earlier commit's kdtree/ and kernels/ (git archive), carried
                [ -n "$ref" ] && step bench-ref 240 env PYTHONPATH="$PWD/${ref%/}:$PYTHONPATH" python3 -m kdtree bench -o "$OUT/ref" --no-sglang ;;
     test) step test-gpu 570 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
