@@ -47,8 +47,12 @@ def main() -> None:
     print(f"NVRTC {nvrtc_version()}, {a.nvdisasm}")
     for arch, config in TARGETS:
         cubin, _ = nvrtc_compile(arch, config)
-        digests = " ".join(f"{k} {hashlib.sha256(v.encode()).hexdigest()[:16]}" for k, v in sorted(sass(cubin, a.nvdisasm).items()))
-        print(f"{arch:7s} bm{config.bm:<3d} wgmma={int(config.wgmma)} few_rows={config.few_rows:<3d} blocks64={int(config.wg_blocks64)} {digests}")
+        digests = " ".join(
+            f"{k} {hashlib.sha256(v.encode()).hexdigest()[:16]}" for k, v in sorted(sass(cubin, a.nvdisasm).items())
+        )
+        print(
+            f"{arch:7s} bm{config.bm:<3d} wgmma={int(config.wgmma)} few_rows={config.few_rows:<3d} blocks64={int(config.wg_blocks64)} {digests}"
+        )
 
 
 if __name__ == "__main__":
