@@ -337,10 +337,6 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, const float4& v
   reinterpret_cast<__nv_bfloat162*>(dst)[0] = __floats2bfloat162_rn(v.x, v.y);
   reinterpret_cast<__nv_bfloat162*>(dst)[1] = __floats2bfloat162_rn(v.z, v.w);
 }
-template <int N>
-struct IntConst {
-  static constexpr int value = N;
-};
 __device__ __forceinline__ void add_weighted(float4& acc, float w, const float4& v) {
   acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
 }
@@ -364,6 +360,27 @@ constexpr int MERGE_VECS = VMLA_MERGE_VECS;  // ... up to this many float4 of th
                              // loaded at a time (0: each LSE and partial loaded as it is added, one load in flight)
 #endif
 constexpr int MERGE_STAGED_SEGS = 1024;  // (a row has at most one partial a block of the grid; more: the loop below)
+// Row `row` of o (and lse) from its segs partials: sum_s weight_s * partial_s in slot order, BATCH partials loaded at
+// a time, partial s's LSE from lse_at(s).
+template <int BATCH, class LseAt>
+__device__ __forceinline__ void merge_row(int row, int segs, const float* row_o, LseAt lse_at, const vmla::MergeWeights& mw,
+                                          __nv_bfloat16* __restrict__ o, float* __restrict__ lse) {
+  constexpr int64_t O_STRIDE = static_cast<int64_t>(VMLA_BM) * VMLA_VDIM;
+  for (int c = threadIdx.x * 4; c < VMLA_VDIM; c += blockDim.x * 4) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < segs; s0 += BATCH) {
+      float4 v[BATCH];
+#pragma unroll
+      for (int k = 0; k < BATCH; ++k)
+        if (s0 + k < segs) v[k] = __ldcg(reinterpret_cast<const float4*>(row_o + (s0 + k) * O_STRIDE + c));
+#pragma unroll
+      for (int k = 0; k < BATCH; ++k)
+        if (s0 + k < segs) vmla::add_weighted(acc, vmla::merge_weight(lse_at(s0 + k), mw), v[k]);
+    }
+    vmla::store_bf16x4(&o[static_cast<int64_t>(row) * VMLA_VDIM + c], acc);
+  }
+  if (threadIdx.x == 0 && lse != nullptr) lse[row] = vmla::merged_lse(mw);
+}
 extern "C" __global__ void __launch_bounds__(128)
 verify_mla_merge(const int2* __restrict__ row_merge, const float* __restrict__ part_o,
                  const float* __restrict__ part_lse, __nv_bfloat16* __restrict__ o, float* __restrict__ lse) {
@@ -405,32 +422,14 @@ verify_mla_merge(const int2* __restrict__ row_merge, const float* __restrict__ p
     if (threadIdx.x == 0 && lse != nullptr) lse[row] = vmla::merged_lse(mw);
     return;
   }
-  // o = sum_s weight_s * partial_s in slot order, BATCH partials loaded at a time, partial s's LSE from lse_at(s)
-  auto merge_columns = [&](auto batch, auto lse_at, const vmla::MergeWeights& mw) {
-    constexpr int BATCH = decltype(batch)::value;
-    for (int c = threadIdx.x * 4; c < VMLA_VDIM; c += blockDim.x * 4) {
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int s0 = 0; s0 < segs; s0 += BATCH) {
-        float4 v[BATCH];
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k)
-          if (s0 + k < segs) v[k] = __ldcg(reinterpret_cast<const float4*>(row_o + (s0 + k) * O_STRIDE + c));
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k)
-          if (s0 + k < segs) vmla::add_weighted(acc, vmla::merge_weight(lse_at(s0 + k), mw), v[k]);
-      }
-      vmla::store_bf16x4(&o[static_cast<int64_t>(row) * VMLA_VDIM + c], acc);
-    }
-    if (threadIdx.x == 0 && lse != nullptr) lse[row] = vmla::merged_lse(mw);
-  };
   if (VMLA_MERGE_STAGED && segs <= MERGE_STAGED_SEGS) {  // the LSEs staged once, MERGE_REG_SEGS partials in flight
     __shared__ float l[MERGE_STAGED_SEGS];
     for (int s = threadIdx.x; s < segs; s += blockDim.x) l[s] = __ldcg(row_lse + static_cast<int64_t>(s) * VMLA_BM);
     __syncthreads();
     const auto staged = [&](int s) { return l[s]; };
-    merge_columns(vmla::IntConst<MERGE_REG_SEGS>{}, staged, vmla::merge_weights_of(segs, staged));
+    merge_row<MERGE_REG_SEGS>(row, segs, row_o, staged, vmla::merge_weights_of(segs, staged), o, lse);
     return;
   }
   const auto loaded = [&](int s) { return __ldcg(row_lse + static_cast<int64_t>(s) * VMLA_BM); };
-  merge_columns(vmla::IntConst<1>{}, loaded, vmla::merge_weights(row_lse, VMLA_BM, segs));
+  merge_row<1>(row, segs, row_o, loaded, vmla::merge_weights(row_lse, VMLA_BM, segs), o, lse);
 }

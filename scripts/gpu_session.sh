@@ -8,7 +8,7 @@
 # (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;
 #  quick: the shipped captures, the fused merge and determinism tests only)
 set -uo pipefail
-OUT=${OUT:-gpu-out}
+OUT=$(mkdir -p "${OUT:-gpu-out}" && cd "${OUT:-gpu-out}" && pwd)  # absolute: bench-ref runs in another folder
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then   # carried wheels (SGLang and what its import chain needs)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -50,7 +50,7 @@ for w in "$@"; do
                    tar -xJf .whl/fi312.tar.xz -C /tmp/site ./flashinfer/data/include/flashinfer/attention/mla.cuh && rm -rf ~/.cache/flashinfer  # as shipped again
                  fi ;;
     bench-ref) ref=$(ls -d ref-*/ 2>/dev/null | head -n 1)  # an earlier commit's kdtree/ and kernels/ (git archive), carried
-               [ -n "$ref" ] && step bench-ref 240 env PYTHONPATH="$PWD/${ref%/}:$PYTHONPATH" python3 -m kdtree bench -o "$OUT/ref" --no-sglang ;;
+               [ -n "$ref" ] && (cd "$ref" && step bench-ref 240 python3 -m kdtree bench -o "$OUT/ref" --no-sglang) ;;  # (python -m imports from the working directory first)
     test) step test-gpu 570 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
     variants) step variants 300 python3 scripts/variants.py ;;
     notebooks) [ -f .whl/nbsite312.tar.xz ] && mkdir -p /tmp/site && tar -xJf .whl/nbsite312.tar.xz -C /tmp/site \
