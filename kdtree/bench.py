@@ -26,6 +26,7 @@ import torch
 
 from kdtree.capture import Capture
 from kdtree.ceilings import POOL_ROW_BYTES
+from kdtree.kernel.config import source_hash
 from kdtree.marshal import VerifyArgs, marshal
 from kdtree.synth import SynthSpec, synthesize
 
@@ -372,6 +373,7 @@ def run(
         "sglang": ext_what,
         "flashinfer": fi_what,
         "target": os.environ.get("KDTREE_KERNEL_TARGET") or "this GPU's",
+        "kernel_sources": source_hash(),  # which kernels ran (the device copy's git history may be stale)
         "ceilings": ceilings,
         "cases": [asdict(r) for r in results],
         "geomean_speedup_vs_sglang": geomean([r.impls.get("kdtree", {}).get("speedup_vs_sglang") for r in results]),
@@ -442,6 +444,8 @@ def summary_table(result: dict) -> str:
     fi = any("flashinfer" in c["impls"] for c in result["cases"])
     width = max([28] + [len(c["name"]) for c in result["cases"]])
     head = f"{result['device']}: bf16 matmul {ceil['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s"
+    if result.get("kernel_sources"):
+        head = f"kernels {result['kernel_sources']}; {head}"
     if mma:
         head += f", mma.sync {ceil['mma_sync_raw_tflops']:.0f} raw / {ceil['mma_sync_ldmatrix_tflops']:.0f} ldmatrix-fed TFLOP/s"
     if gath:
