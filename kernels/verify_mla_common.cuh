@@ -360,19 +360,19 @@ constexpr int MERGE_VECS = VMLA_MERGE_VECS;  // ... up to this many float4 of th
                              // loaded at a time (0: each LSE and partial loaded as it is added, one load in flight)
 #endif
 constexpr int MERGE_STAGED_SEGS = 1024;  // (a row has at most one partial a block of the grid; more: the loop below)
+constexpr int64_t MERGE_O_STRIDE = static_cast<int64_t>(VMLA_BM) * VMLA_VDIM;  // floats from one partial slot to the next
 // Row `row` of o (and lse) from its segs partials: sum_s weight_s * partial_s in slot order, BATCH partials loaded at
 // a time, partial s's LSE from lse_at(s).
 template <int BATCH, class LseAt>
 __device__ __forceinline__ void merge_row(int row, int segs, const float* row_o, LseAt lse_at, const vmla::MergeWeights& mw,
                                           __nv_bfloat16* __restrict__ o, float* __restrict__ lse) {
-  constexpr int64_t O_STRIDE = static_cast<int64_t>(VMLA_BM) * VMLA_VDIM;
   for (int c = threadIdx.x * 4; c < VMLA_VDIM; c += blockDim.x * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s0 = 0; s0 < segs; s0 += BATCH) {
       float4 v[BATCH];
 #pragma unroll
       for (int k = 0; k < BATCH; ++k)
-        if (s0 + k < segs) v[k] = __ldcg(reinterpret_cast<const float4*>(row_o + (s0 + k) * O_STRIDE + c));
+        if (s0 + k < segs) v[k] = __ldcg(reinterpret_cast<const float4*>(row_o + (s0 + k) * MERGE_O_STRIDE + c));
 #pragma unroll
       for (int k = 0; k < BATCH; ++k)
         if (s0 + k < segs) vmla::add_weighted(acc, vmla::merge_weight(lse_at(s0 + k), mw), v[k]);
@@ -393,7 +393,6 @@ verify_mla_merge(const int2* __restrict__ row_merge, const float* __restrict__ p
 #endif
   const float* row_lse = part_lse + m.x;
   const float* row_o = part_o + static_cast<int64_t>(m.x) * VMLA_VDIM;
-  constexpr int64_t O_STRIDE = static_cast<int64_t>(VMLA_BM) * VMLA_VDIM;
   if (segs <= MERGE_REG_SEGS && blockDim.x * 4 * MERGE_VECS >= VMLA_VDIM) {  // every load issued before the first use
     float l[MERGE_REG_SEGS];
     float4 v[MERGE_REG_SEGS][MERGE_VECS];
@@ -404,7 +403,7 @@ verify_mla_merge(const int2* __restrict__ row_merge, const float* __restrict__ p
 #pragma unroll
         for (int j = 0; j < MERGE_VECS; ++j) {
           const int c = (threadIdx.x + j * blockDim.x) * 4;
-          if (c < VMLA_VDIM) v[s][j] = __ldcg(reinterpret_cast<const float4*>(row_o + s * O_STRIDE + c));
+          if (c < VMLA_VDIM) v[s][j] = __ldcg(reinterpret_cast<const float4*>(row_o + s * MERGE_O_STRIDE + c));
         }
       }
     }

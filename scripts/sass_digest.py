@@ -31,10 +31,10 @@ def sass(cubin: bytes, nvdisasm: str) -> dict[str, str]:
 
 
 def renumbered(code: str) -> str:
-    """A kernel's SASS with its labels numbered from 0 in order of appearance (nvdisasm numbers them across the
-    file, so a change to one kernel would renumber the next one's)."""
+    """A kernel's SASS with its labels and internal helper functions numbered from 0 in order of appearance
+    (nvdisasm numbers them across the file, so a change to one kernel would renumber the next one's)."""
     names: dict[str, str] = {}
-    return re.sub(r"\.L_x_\d+", lambda m: names.setdefault(m.group(), f".L_{len(names)}"), code)
+    return re.sub(r"\.L_x_\d+|\$__internal_\d+_", lambda m: names.setdefault(m.group(), f"#{len(names)}"), code)
 
 
 def main() -> None:

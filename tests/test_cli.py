@@ -52,8 +52,6 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         ("synth", "-o", tmp_path / "x.safetensors", "--reference", "bogus"),
         ("bench", "--chain", "--sglang", "-o", tmp_path / "b"),
         ("bench", "--target", "sm_90a-B64", "-o", tmp_path / "b"),
-        ("bench", "--chain", "--flashinfer-backend", "fa4", "-o", tmp_path / "b"),
-        ("bench", "--flashinfer-backend", "fa2", "-o", tmp_path / "b"),
     ):
         r = kdtree(*args)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
@@ -62,6 +60,28 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         assert len(err) == 1 and err[0].startswith("kdtree: error:"), (args, r.stderr)
     assert sha(bad) == before
     assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "b").exists()
+
+
+def test_bench_checks_its_options_before_it_needs_a_gpu(tmp_path):
+    """A bad bench option is named in the error on any machine (the GPU is looked for after the options); without
+    a GPU, good options get as far as that check."""
+    import pytest
+
+    from kdtree.impls import gpu_available
+
+    for args, option in (
+        (("--chain", "--flashinfer-backend", "fa4"), "--flashinfer-backend"),
+        (("--flashinfer-backend", "fa2"), "--flashinfer-backend"),
+        (("--target", "sm_90a-B64"), "--target"),
+        (("--chain", "--sglang"), "--sglang"),
+    ):
+        r = kdtree("bench", *args, "-o", tmp_path / "b")
+        assert r.returncode == 2 and option in r.stderr and "GPU" not in r.stderr, (args, r.stderr)
+    if gpu_available():
+        pytest.skip("with a GPU, good options would run the bench")
+    r = kdtree("bench", "--chain", "--flashinfer-backend", "fa2", "--target", "sm_120", "-o", tmp_path / "b")
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr
+    assert not (tmp_path / "b").exists()
 
 
 def test_unknown_option_is_a_usage_error_exit_2():

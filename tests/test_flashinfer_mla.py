@@ -87,15 +87,6 @@ def test_load_says_why_flashinfer_is_missing(monkeypatch):
     assert module is None and what.startswith("not importable: ") and "flashinfer" in what
 
 
-def test_the_summary_names_the_kernel_sources_that_ran():
-    """A bench records the hash of the kernel sources it ran (`kdtree.kernel.config.source_hash`) and its table's
-    first line names it; a result from before that was recorded has no such line."""
-    result = json.loads((ROOT / "docs/bench/bench-h200.json").read_text())
-    assert not summary_table(result).startswith("kernels")
-    result["kernel_sources"] = "0123456789abcdef"
-    assert summary_table(result).startswith("kernels 0123456789abcdef; NVIDIA H200: bf16 matmul")
-
-
 def test_the_summary_has_flashinfer_columns_where_it_ran():
     result = json.loads((ROOT / "docs/bench/bench-h200.json").read_text())
     assert "x fi" not in summary_table(result)
