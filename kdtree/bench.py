@@ -373,7 +373,7 @@ def run(
         "sglang": ext_what,
         "flashinfer": fi_what,
         "target": os.environ.get("KDTREE_KERNEL_TARGET") or "this GPU's",
-        "kernel_sources": source_hash(),  # which kernels ran (the device copy's git history may be stale)
+        "kernel_sources": source_hash(),  # which kernels ran, by their sources' content
         "ceilings": ceilings,
         "cases": [asdict(r) for r in results],
         "geomean_speedup_vs_sglang": geomean([r.impls.get("kdtree", {}).get("speedup_vs_sglang") for r in results]),

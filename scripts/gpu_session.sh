@@ -3,7 +3,8 @@
 # Usage (device machine, repository root): scripts/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|notebooks|sglang|sglang-captures|sglang-bench|all] ...
 # (bench-chain: the chain cases with FlashInfer's causal MLA kernel beside kdtree; carry .whl/fi312.tar.xz alone)
 # (bench-chain-fa2: sm_120's configuration against FlashInfer's portable fa2 kernel, first as its dispatch sizes it
-#  for this GPU, then with the unpacked header's thresholds edited so it takes the branch it takes at sm_120's 99 KB)
+#  for this GPU, then on a copy of FlashInfer edited to take the branch it takes at sm_120's ~100 KB a SM; carry
+#  .whl/fi312.tar.xz alone)
 # (bench-ref: the kernel of an earlier commit, `git archive <commit> kdtree kernels` unpacked in ref-<commit>/, carried)
 # (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;
 #  quick: the shipped captures, the fused merge and determinism tests only)

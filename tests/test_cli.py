@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kdtree.capture import load
 
 from conftest import SHIPPED, sha
@@ -65,8 +67,6 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
 def test_bench_checks_its_options_before_it_needs_a_gpu(tmp_path):
     """A bad bench option is named in the error on any machine (the GPU is looked for after the options); without
     a GPU, good options get as far as that check."""
-    import pytest
-
     from kdtree.impls import gpu_available
 
     for args, option in (
