@@ -39,9 +39,10 @@ def torch_stream():
     return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
 
 
-def mma_sync_ceilings(do_bench) -> dict:
-    """{"mma_sync_raw_tflops": ..., "mma_sync_ldmatrix_tflops": ...}, each from `do_bench`'s time of one launch."""
-    module = cupy_module(SOURCE)
+def mma_sync_ceilings(do_bench, *defines: str) -> dict:
+    """{"mma_sync_raw_tflops": ..., "mma_sync_ldmatrix_tflops": ...}, each from `do_bench`'s time of one launch; the
+    microkernels built with `defines` ("-DNAME=VALUE")."""
+    module = cupy_module(SOURCE, *defines)
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     grid = sms * BLOCKS_PER_SM
     out = torch.empty(grid * THREADS, device="cuda")

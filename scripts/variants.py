@@ -52,6 +52,10 @@ VARIANTS = {
     "hopper_merge_one_at_a_time": (each_with(KernelConfig.candidates("sm_90"), "VMLA_MERGE_STAGED=0"), {"_choose": True}),
     "sm120_merge_one_at_a_time": (each_with((KernelConfig(),), "VMLA_MERGE_STAGED=0"), {"_choose": True}),
     "bm32_regs": (KernelConfig(), {}),  # sm_120's configuration
+    # ... with its 8 warps split otherwise in QK (rows x dim slices x keys; the default is 1 x 4 x 2), in sm_120's limits
+    "bm32_r2d4k1": (KernelConfig(rgroups=2, khalves=1), {}),
+    "bm32_r2d4k1_kp2": (KernelConfig(rgroups=2, khalves=1, kpasses=2), {}),
+    "bm32_r2d2k2": (KernelConfig(rgroups=2, dslices=2, khalves=2), {}),
     # 64 rows with Q in registers in sm_120's limits (16-key tiles, 4 stages); a segment is twice as many units
     "bm64_regs": (KernelConfig.rows64_in_registers(), {"segment_units": 10.0}),
     "bm64_regs_seg5": (KernelConfig.rows64_in_registers(), {}),
@@ -162,9 +166,34 @@ def main():
     ap.add_argument("--cases", nargs="*", default=["32k x4", "dsv3", "small tree", "8k x8", "mixed"])
     ap.add_argument("--repeat", type=int, default=1, help="time each variant this many times, interleaved (median)")
     ap.add_argument("--variants", nargs="*", default=["bm64_r2k1", "no_fast_mask", "fast_exp", "bm32_regs", "bm32_w4x2"])
+    ap.add_argument(
+        "--mma-repeat",
+        nargs="*",
+        type=int,
+        default=[1],
+        help="also time each variant with every MMA issued n times (VMLA_MMA_REPEAT=n, named <variant>_mma_x<n>; "
+        "wrong sums): the tensor rate per SM-cycle of a part with 1/n of this GPU's, as sm_120's mma.sync is half the H200's",
+    )
+    ap.add_argument("--mma-ceilings", action="store_true", help="first measure the mma.sync ceilings at each --mma-repeat")
     a = ap.parse_args()
+    if not a.mma_repeat or min(a.mma_repeat) < 1:
+        raise SystemExit(f"--mma-repeat takes counts >= 1, got {a.mma_repeat}")
     cases = bench.select_cases(a.cases, probes=True)
     rows, first = {}, {}
+    builds = [(n if r == 1 else f"{n}_mma_x{r}", n, r) for n in a.variants for r in a.mma_repeat]
+    if a.mma_ceilings:
+        from kdtree.ceilings import mma_sync_ceilings
+
+        def do_bench(fn):
+            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+        for repeat in a.mma_repeat:
+            c = mma_sync_ceilings(do_bench, f"-DVMLA_MMA_REPEAT={repeat}")
+            rows[f"mma_ceilings_repeat{repeat}"] = c
+            print(
+                f"mma.sync ceilings, every MMA issued {repeat}x (TFLOP/s counting each once): "
+                + ", ".join(f"{k} {v:.0f}" for k, v in c.items())
+            )
     for case in cases:
         cap = synthesize(case.spec(), reference=False)
         args = marshal(cap)
@@ -175,8 +204,11 @@ def main():
         o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(T, H, device="cuda")
         fns = {}
-        for name in a.variants:
-            config, plan_opts = VARIANTS[name]
+        for name, variant, repeat in builds:
+            config, plan_opts = VARIANTS[variant]
+            if repeat > 1:
+                define = f"VMLA_MMA_REPEAT={repeat}"
+                config = each_with(config, define) if isinstance(config, tuple) else config.with_defines([define])
             plan_opts = dict(plan_opts)
             pdl = plan_opts.pop("_pdl", None)  # the merge as a programmatic dependent (default: where available)
             merge_threads = plan_opts.pop("_merge_threads", MERGE_THREADS)

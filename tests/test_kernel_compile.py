@@ -13,6 +13,7 @@ from kdtree.kernel import (
     KernelConfig,
     compile_report,
     nvrtc_compile,
+    nvrtc_ptx,
     parse_ptxas,
     source_files,
     source_hash,
@@ -170,6 +171,21 @@ def test_wgmma_experiment_builds_compile(extra):
     config = dataclasses.replace(KernelConfig.for_arch("sm_90"), extra=extra)
     (fwd,) = [r for r in compile_report("sm_90", config) if r.name == "verify_mla_fwd"]
     assert fwd.ok and fwd.arch == "sm_90a" and fwd.spill_stores == 0, fwd.line()
+
+
+def test_mma_repeat_issues_every_mma_twice_in_sm120s_limits():
+    """scripts/variants.py --mma-repeat 2 (VMLA_MMA_REPEAT, the tensor rate of a part with half the H200's per
+    SM-cycle): the sm_120 configuration's forward kernel asks for exactly twice the MMAs, still without spills in
+    101,376 B; the default build asks for one each."""
+    config = KernelConfig.for_arch("sm_120")
+    counts = {}
+    for repeat in (1, 2):
+        built = config.with_defines([f"VMLA_MMA_REPEAT={repeat}"])
+        counts[repeat] = nvrtc_ptx("sm_120", built).count("mma.sync.aligned")
+        (fwd,) = [r for r in compile_report("sm_120", built) if r.name == "verify_mla_fwd"]
+        assert fwd.ok and fwd.spill_stores == 0, fwd.line()
+    assert counts[1] > 0 and counts[2] == 2 * counts[1]
+    assert nvrtc_ptx("sm_120", config).count("mma.sync.aligned") == counts[1]
 
 
 @pytest.mark.parametrize("arch", ["sm_120", "sm_90"])

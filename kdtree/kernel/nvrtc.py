@@ -87,10 +87,8 @@ def nvrtc_arch(arch: str, config: KernelConfig) -> str:
     return "sm_90a" if config.wgmma and arch == "sm_90" else arch
 
 
-def nvrtc_compile(
-    arch: str, config: KernelConfig | None = None, extra: tuple[str, ...] = (), source: Path = SOURCE
-) -> tuple[bytes, str]:
-    """(cubin, log) of kernels/verify_mla.cu (or `source`) for `arch`, through NVRTC (cuda-bindings)."""
+def _compiled(arch: str, config: KernelConfig | None, extra: tuple[str, ...], source: Path):
+    """(nvrtc, program, log) of `source` compiled for `arch` with `config`'s switches; raises on a failed build."""
     try:
         from cuda.bindings import nvrtc
     except ImportError as e:
@@ -106,12 +104,32 @@ def nvrtc_compile(
     nvrtc.nvrtcGetProgramLog(prog, buf)
     log = buf.decode(errors="replace").rstrip("\x00 \n")
     if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        nvrtc.nvrtcDestroyProgram(prog)
         raise KernelCompileError(f"{source.name} does not compile for {arch}:\n" + format_compile_error(log, source))
+    return nvrtc, prog, log
+
+
+def nvrtc_compile(
+    arch: str, config: KernelConfig | None = None, extra: tuple[str, ...] = (), source: Path = SOURCE
+) -> tuple[bytes, str]:
+    """(cubin, log) of kernels/verify_mla.cu (or `source`) for `arch`, through NVRTC (cuda-bindings)."""
+    nvrtc, prog, log = _compiled(arch, config, extra, source)
     _, size = nvrtc.nvrtcGetCUBINSize(prog)
     cubin = b" " * size
     nvrtc.nvrtcGetCUBIN(prog, cubin)
     nvrtc.nvrtcDestroyProgram(prog)
     return cubin, log
+
+
+def nvrtc_ptx(arch: str, config: KernelConfig | None = None, extra: tuple[str, ...] = (), source: Path = SOURCE) -> str:
+    """The PTX NVRTC generates for kernels/verify_mla.cu (or `source`) on `arch`: what the source asked for, before
+    ptxas schedules it."""
+    nvrtc, prog, _ = _compiled(arch, config, extra, source)
+    _, size = nvrtc.nvrtcGetPTXSize(prog)
+    ptx = b" " * size
+    nvrtc.nvrtcGetPTX(prog, ptx)
+    nvrtc.nvrtcDestroyProgram(prog)
+    return ptx.decode(errors="replace").rstrip("\x00")
 
 
 def parse_ptxas(log: str, arch: str, config: KernelConfig) -> list[KernelResources]:
