@@ -15,7 +15,7 @@ from kdtree.kernel.config import KERNEL_DIR, POOL_ROW_BYTES
 
 SOURCE = KERNEL_DIR / "mma_ceiling.cu"
 GATHER_SOURCE = KERNEL_DIR / "gather_ceiling.cu"
-KERNELS = {"mma_raw": 8, "mma_ldmatrix": 8}  # entry point: MMAs a warp issues per loop iteration
+KERNELS = {"mma_raw": 8, "mma_ldmatrix": 8}  # entry point: MMAs a warp issues per loop iteration (raw: its chains)
 THREADS, BLOCKS_PER_SM, ITERS = 256, 4, 4096
 FLOP_PER_MMA = 2 * 16 * 8 * 16  # m16n8k16
 TILE_ROWS = 32  # pool rows a tile
@@ -39,16 +39,18 @@ def torch_stream():
     return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
 
 
-def mma_sync_ceilings(do_bench, *defines: str) -> dict:
+def mma_sync_ceilings(do_bench, *defines: str, chains: int = KERNELS["mma_raw"]) -> dict:
     """{"mma_sync_raw_tflops": ..., "mma_sync_ldmatrix_tflops": ...}, each from `do_bench`'s time of one launch; the
-    microkernels built with `defines` ("-DNAME=VALUE")."""
-    module = cupy_module(SOURCE, *defines)
+    microkernels built with `defines` ("-DNAME=VALUE"), the raw one on `chains` independent accumulators a warp.
+    Each MMA the source names counts once (with VMLA_MMA_REPEAT=n the rates are those of a part with 1/n the
+    tensor rate)."""
+    module = cupy_module(SOURCE, *defines, f"-DVMLA_CEILING_CHAINS={chains}")
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     grid = sms * BLOCKS_PER_SM
     out = torch.empty(grid * THREADS, device="cuda")
     stream = torch_stream()
     result = {}
-    for name, mmas in KERNELS.items():
+    for name, mmas in (KERNELS | {"mma_raw": chains}).items():
         fn = module.get_function(name)
 
         def launch(fn=fn):

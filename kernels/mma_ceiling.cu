@@ -7,7 +7,10 @@
 
 #include "verify_mla_ptx.cuh"
 
-constexpr int CHAINS = 8;
+#ifndef VMLA_CEILING_CHAINS
+#define VMLA_CEILING_CHAINS 8  // mma_raw's independent accumulators a warp (fewer: how many chains the pipe needs)
+#endif
+constexpr int CHAINS = VMLA_CEILING_CHAINS;
 constexpr int THREADS = 256;
 
 extern "C" __global__ void __launch_bounds__(THREADS) mma_raw(float* out, int iters) {

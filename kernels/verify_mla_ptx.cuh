@@ -39,7 +39,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 
 #ifndef VMLA_MMA_REPEAT
 // > 1: every MMA issued that many times into its accumulator, so the tensor pipe does n times the work per result:
-// timing only (the sums are wrong), a part whose mma.sync rate per SM-cycle is 1/n of this GPU's
+// timing only (the sums are wrong), a part whose mma.sync rate per SM-cycle is 1/n of this GPU's. The repeats of
+// one accumulator depend on each other, so its chain of results is n times as long as well.
 #define VMLA_MMA_REPEAT 1
 #endif
 

@@ -6,8 +6,8 @@
 #  for this GPU, then on a copy of FlashInfer edited to take the branch it takes at sm_120's ~100 KB a SM; carry
 #  .whl/fi312.tar.xz alone)
 # (bench-ref: the kernel of an earlier commit, `git archive <commit> kdtree kernels` unpacked in ref-<commit>/, carried)
-# (tensor-rate: the sm_120 configuration beside the same kernel with every MMA issued twice, a part with half this
-#  GPU's mma.sync rate per SM-cycle, on every bench case, and both builds' mma.sync ceilings)
+# (tensor-rate: the sm_120 configuration and 64 rows with Q in registers, each beside the same kernel with every MMA
+#  issued twice, a part with half this GPU's mma.sync rate per SM-cycle, on every bench case; the ceilings of both)
 # (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;
 #  quick: the shipped captures, the fused merge and determinism tests only)
 set -uo pipefail
@@ -63,9 +63,8 @@ for w in "$@"; do
                [ -n "$ref" ] && (cd "$ref" && step bench-ref 240 python3 -m kdtree bench -o "$OUT/ref" --no-sglang) ;;  # (python -m imports from the working directory first)
     test) step test-gpu 570 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
     variants) step variants 300 python3 scripts/variants.py ;;
-    tensor-rate) step tensor-rate 420 env OUT="$OUT" python3 scripts/variants.py --mma-ceilings --repeat 3 --cases "" \
-                   --variants sm120 bm64_regs --mma-repeat 1 2
-                 mv "$OUT/variants.json" "$OUT/tensor-rate.json" ;;
+    tensor-rate) step tensor-rate 420 python3 scripts/variants.py --mma-ceilings --repeat 3 --cases "" \
+                   --variants sm120 bm64_regs --mma-repeat 1 2 --json "$OUT/tensor-rate.json" ;;
     notebooks) [ -f .whl/nbsite312.tar.xz ] && mkdir -p /tmp/site && tar -xJf .whl/nbsite312.tar.xz -C /tmp/site \
                  && export PYTHONPATH="/tmp/site:$PYTHONPATH"  # the notebook stack for cp312, when carried (scripts/pack_notebooks.sh)
                step notebooks 420 python3 -m pytest -q -rs tests/test_notebooks.py ;;

@@ -1,6 +1,8 @@
 """Time kernel variants side by side (one device call): configurations and the VMLA_SKIP_* experiments.
 
-Usage: python3 scripts/variants.py [--cases substring ...]   (needs a GPU; prints a table, writes variants.json to $OUT)
+Usage: python3 scripts/variants.py [--cases substring ...] [--variants name ...] [--mma-repeat 1 2] [--mma-ceilings]
+(needs a GPU; prints a table, writes {"mma_ceilings": ..., "cases": {case: {build: ...}}} to --json or
+$OUT/variants.json)
 """
 
 import argparse
@@ -161,115 +163,169 @@ VARIANTS = {
 }
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="*", default=["32k x4", "dsv3", "small tree", "8k x8", "mixed"])
     ap.add_argument("--repeat", type=int, default=1, help="time each variant this many times, interleaved (median)")
-    ap.add_argument("--variants", nargs="*", default=["bm64_r2k1", "no_fast_mask", "fast_exp", "bm32_regs", "bm32_w4x2"])
+    ap.add_argument("--variants", nargs="*", default=["bm64_r2k1", "no_fast_mask", "bm32_regs", "bm32_w4x2"])
     ap.add_argument(
         "--mma-repeat",
         nargs="*",
         type=int,
         default=[1],
-        help="also time each variant with every MMA issued n times (VMLA_MMA_REPEAT=n, named <variant>_mma_x<n>; "
-        "wrong sums): the tensor rate per SM-cycle of a part with 1/n of this GPU's, as sm_120's mma.sync is half the H200's",
+        help="time each mma.sync variant with every MMA issued n times (VMLA_MMA_REPEAT=n, named <variant>_mma_x<n>; "
+        "wrong sums): the tensor rate per SM-cycle of a part with 1/n of this GPU's, as sm_120's mma.sync is half the "
+        "H200's",
     )
-    ap.add_argument("--mma-ceilings", action="store_true", help="first measure the mma.sync ceilings at each --mma-repeat")
+    ap.add_argument(
+        "--mma-ceilings",
+        action="store_true",
+        help="first measure the mma.sync ceilings at each --mma-repeat, the raw one on 2, 4 and 8 accumulators a warp",
+    )
+    ap.add_argument("--json", type=Path, help="where to write the results (default: $OUT/variants.json)")
     a = ap.parse_args()
     if not a.mma_repeat or min(a.mma_repeat) < 1:
-        raise SystemExit(f"--mma-repeat takes counts >= 1, got {a.mma_repeat}")
-    cases = bench.select_cases(a.cases, probes=True)
-    rows, first = {}, {}
-    builds = [(n if r == 1 else f"{n}_mma_x{r}", n, r) for n in a.variants for r in a.mma_repeat]
-    if a.mma_ceilings:
-        from kdtree.ceilings import mma_sync_ceilings
+        ap.error(f"--mma-repeat takes counts >= 1, got {a.mma_repeat}")
+    a.mma_repeat = sorted(set(a.mma_repeat))
+    unknown = [v for v in a.variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}")
+    return a
 
-        def do_bench(fn):
-            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
-        for repeat in a.mma_repeat:
-            c = mma_sync_ceilings(do_bench, f"-DVMLA_MMA_REPEAT={repeat}")
-            rows[f"mma_ceilings_repeat{repeat}"] = c
-            print(
-                f"mma.sync ceilings, every MMA issued {repeat}x (TFLOP/s counting each once): "
-                + ", ".join(f"{k} {v:.0f}" for k, v in c.items())
-            )
-    for case in cases:
-        cap = synthesize(case.spec(), reference=False)
-        args = marshal(cap)
-        dev = args.to("cuda")
-        sets = bench.rotations(cap, 2)
-        flops = bench.case_flops(cap)
-        T, H = cap.num_tokens, cap.meta.num_heads
-        o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
-        lse = torch.empty(T, H, device="cuda")
-        fns = {}
-        for name, variant, repeat in builds:
-            config, plan_opts = VARIANTS[variant]
-            if repeat > 1:
-                define = f"VMLA_MMA_REPEAT={repeat}"
-                config = each_with(config, define) if isinstance(config, tuple) else config.with_defines([define])
-            plan_opts = dict(plan_opts)
-            pdl = plan_opts.pop("_pdl", None)  # the merge as a programmatic dependent (default: where available)
-            merge_threads = plan_opts.pop("_merge_threads", MERGE_THREADS)
-            try:
-                kern = VerifyKernel.get(config)
-                pdl = pdl_available() if pdl is None else pdl
-                k = plan_opts.pop("_tiles_a_block", None)
-                if plan_opts.pop("_choose", False):
-                    p = kern.plan(args, H)
-                else:
-                    p = plan(args, H, kern.num_sms, config, **plan_opts)
-                if k is not None:
-                    p = plan(args, H, kern.num_sms, config, **plan_opts, grid=-(-p.row_tiles // k))
-                p = p.to("cuda")
-                ws = Workspace.for_plan(p)
-
-                def step(q, pool, kern=kern, p=p, ws=ws, pdl=pdl, mt=merge_threads):  # (variants may share a kernel)
-                    kern.pdl, kern.merge_threads = pdl, mt
-                    kern.launch(p, dev, q, pool, o, lse, ws)
-
-                fn = bench.cycling(sets, step)
-                fn()
-                torch.cuda.synchronize()
-                ref = first.setdefault(case.name, o.float().clone())  # the first variant's output
-                rel = float((o.float() - ref).norm() / ref.norm())
-                fns[name] = fn
-                attrs = kern.compiled(p.config)[1].attributes  # the planned configuration's forward kernel
-                rows.setdefault(case.name, {})[name] = {
-                    "rel_vs_first": rel,
-                    "ms_runs": [],
-                    "regs": attrs["num_regs"],
-                    "local": attrs["local_size_bytes"],
-                    "grid": p.grid,
-                    "units": p.units,
-                    "work": p.work,
-                    "segments": p.segments,
-                    "fused": p.fused_merge,
-                    "body": f"{p.config.bm}{'/b64' if p.config.wg_blocks64 else ''}{'+few' if p.config.few_row_limit else ''}",
-                }
-            except Exception as e:  # noqa: BLE001
-                rows.setdefault(case.name, {})[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        for _ in range(a.repeat):  # the variants interleaved, so that drift in the machine hits them alike
-            for name, fn in fns.items():
-                rows[case.name][name]["ms_runs"].append(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-        for name in fns:
-            r = rows[case.name][name]
-            r["ms"] = statistics.median(r["ms_runs"])
-            r["tflops"] = flops / r["ms"] / 1e9
-        print(case.name)
-        for name, r in rows[case.name].items():
-            print(
-                f"   {name:14s} "
-                + (
-                    f"{r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s rel {r['rel_vs_first']:.1e} regs {r['regs']} local {r['local']} B grid {r['grid']} segments {r['segments']} body {r['body']} runs {'/'.join(f'{x:.4f}' for x in r['ms_runs'])}"
-                    if "ms" in r
-                    else r["error"]
+def expand_builds(variants: list[str], repeats: list[int]) -> list[tuple[str, object, dict, int]]:
+    """(name, configuration(s), plan options, MMA repeat) of every build to time: each variant at each repeat. The
+    repeat doubles only mma.sync, so a variant with the wgmma body takes none."""
+    builds = []
+    for variant in variants:
+        config, plan_opts = VARIANTS[variant]
+        configs = config if isinstance(config, tuple) else (config,)
+        for repeat in repeats:
+            if repeat == 1:
+                builds.append((variant, config, plan_opts, 1))
+                continue
+            if any(c.wgmma for c in configs):
+                raise SystemExit(
+                    f"--mma-repeat {repeat}: {variant} runs warpgroup MMAs, which VMLA_MMA_REPEAT leaves as they are"
                 )
+            define = f"VMLA_MMA_REPEAT={repeat}"
+            repeated = each_with(config, define) if isinstance(config, tuple) else config.with_defines([define])
+            builds.append((f"{variant}_mma_x{repeat}", repeated, plan_opts, repeat))
+    return builds
+
+
+def median_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def measure_mma_ceilings(repeats: list[int]) -> dict:
+    """{"repeat<n> chains<c>": ceilings}: the mma.sync microkernels with every MMA issued n times, the raw one on c
+    independent accumulators a warp (the verify kernel's QK has 4 a warp, its P V 16)."""
+    from kdtree.ceilings import mma_sync_ceilings
+
+    result = {}
+    for repeat in repeats:
+        for chains in (2, 4, 8):
+            c = mma_sync_ceilings(median_ms, f"-DVMLA_MMA_REPEAT={repeat}", chains=chains)
+            result[f"repeat{repeat} chains{chains}"] = c
+            print(
+                f"mma.sync ceilings, every MMA issued {repeat}x, raw on {chains} accumulators a warp (TFLOP/s, each MMA "
+                "counted once): " + ", ".join(f"{k} {v:.0f}" for k, v in c.items())
             )
-        sys.stdout.flush()
-    out = Path(os.environ.get("OUT", "."))
-    (out / "variants.json").write_text(json.dumps(rows, indent=1))
+    return result
+
+
+def time_case(case, builds, repeat: int) -> dict:
+    """{build name: timing and plan facts} for one bench case, the builds timed `repeat` times interleaved. The
+    bit-equality column compares each build with the first one whose MMAs are not repeated (None for repeated ones,
+    whose sums are wrong by design)."""
+    cap = synthesize(case.spec(), reference=False)
+    args = marshal(cap)
+    dev = args.to("cuda")
+    sets = bench.rotations(cap, 2)
+    flops = bench.case_flops(cap)
+    T, H = cap.num_tokens, cap.meta.num_heads
+    o = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(T, H, device="cuda")
+    rows, fns, ref = {}, {}, None
+    for name, config, plan_opts, mma_repeat in builds:
+        plan_opts = dict(plan_opts)
+        pdl = plan_opts.pop("_pdl", None)  # the merge as a programmatic dependent (default: where available)
+        merge_threads = plan_opts.pop("_merge_threads", MERGE_THREADS)
+        try:
+            kern = VerifyKernel.get(config)
+            pdl = pdl_available() if pdl is None else pdl
+            k = plan_opts.pop("_tiles_a_block", None)
+            if plan_opts.pop("_choose", False):
+                p = kern.plan(args, H)
+            else:
+                p = plan(args, H, kern.num_sms, config, **plan_opts)
+            if k is not None:
+                p = plan(args, H, kern.num_sms, config, **plan_opts, grid=-(-p.row_tiles // k))
+            p = p.to("cuda")
+            ws = Workspace.for_plan(p)
+
+            def step(q, pool, kern=kern, p=p, ws=ws, pdl=pdl, mt=merge_threads):  # (variants may share a kernel)
+                kern.pdl, kern.merge_threads = pdl, mt
+                kern.launch(p, dev, q, pool, o, lse, ws)
+
+            fn = bench.cycling(sets, step)
+            fn()
+            torch.cuda.synchronize()
+            rel = None
+            if mma_repeat == 1:
+                ref = o.float().clone() if ref is None else ref
+                rel = float((o.float() - ref).norm() / ref.norm())
+            fns[name] = fn
+            attrs = kern.compiled(p.config)[1].attributes  # the planned configuration's forward kernel
+            rows[name] = {
+                "rel_vs_first": rel,
+                "ms_runs": [],
+                "regs": attrs["num_regs"],
+                "local": attrs["local_size_bytes"],
+                "grid": p.grid,
+                "units": p.units,
+                "work": p.work,
+                "segments": p.segments,
+                "fused": p.fused_merge,
+                "body": f"{p.config.bm}{'/b64' if p.config.wg_blocks64 else ''}{'+few' if p.config.few_row_limit else ''}",
+            }
+        except Exception as e:  # noqa: BLE001
+            rows[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    for _ in range(repeat):  # the variants interleaved, so that drift in the machine hits them alike
+        for name, fn in fns.items():
+            rows[name]["ms_runs"].append(median_ms(fn))
+    for name in fns:
+        r = rows[name]
+        r["ms"] = statistics.median(r["ms_runs"])
+        r["tflops"] = flops / r["ms"] / 1e9
+    return rows
+
+
+def print_case(case_name: str, rows: dict) -> None:
+    width = max(map(len, rows), default=0)
+    print(case_name)
+    for name, r in rows.items():
+        if "ms" not in r:
+            print(f"   {name:{width}s} {r['error']}")
+            continue
+        rel = "-" if r["rel_vs_first"] is None else f"{r['rel_vs_first']:.1e}"
+        print(
+            f"   {name:{width}s} {r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s rel {rel} regs {r['regs']} local {r['local']} B "
+            f"grid {r['grid']} segments {r['segments']} body {r['body']} runs {'/'.join(f'{x:.4f}' for x in r['ms_runs'])}"
+        )
+    sys.stdout.flush()
+
+
+def main():
+    a = parse_args()
+    builds = expand_builds(a.variants, a.mma_repeat)
+    result = {"mma_ceilings": measure_mma_ceilings(a.mma_repeat) if a.mma_ceilings else {}, "cases": {}}
+    for case in bench.select_cases(a.cases, probes=True):
+        result["cases"][case.name] = time_case(case, builds, a.repeat)
+        print_case(case.name, result["cases"][case.name])
+    path = a.json or Path(os.environ.get("OUT", "."), "variants.json")
+    path.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -189,11 +189,13 @@ def test_mma_repeat_issues_every_mma_twice_in_sm120s_limits():
 
 
 @pytest.mark.parametrize("arch", ["sm_120", "sm_90"])
-def test_mma_ceiling_microkernels_compile_without_spills(arch):
-    """kdtree bench's mma.sync ceilings (kernels/mma_ceiling.cu): both entry points, registers only, no local memory."""
+@pytest.mark.parametrize("extra", [(), ("-DVMLA_MMA_REPEAT=2", "-DVMLA_CEILING_CHAINS=2")], ids=["bench", "repeated"])
+def test_mma_ceiling_microkernels_compile_without_spills(arch, extra):
+    """kdtree bench's mma.sync ceilings (kernels/mma_ceiling.cu), and the builds scripts/variants.py --mma-ceilings
+    asks for: both entry points, registers only, no local memory."""
     from kdtree.ceilings import KERNELS, SOURCE
 
-    _, log = nvrtc_compile(arch, KernelConfig(), source=SOURCE)
+    _, log = nvrtc_compile(arch, KernelConfig(), extra, source=SOURCE)
     reports = {r.name: r for r in parse_ptxas(log, arch, KernelConfig())}
     assert set(reports) == set(KERNELS)
     for r in reports.values():

@@ -88,7 +88,8 @@ def nvrtc_arch(arch: str, config: KernelConfig) -> str:
 
 
 def _compiled(arch: str, config: KernelConfig | None, extra: tuple[str, ...], source: Path):
-    """(nvrtc, program, log) of `source` compiled for `arch` with `config`'s switches; raises on a failed build."""
+    """(nvrtc, program, log) of `source` compiled for `arch` with `config`'s switches; the caller destroys the
+    program. Raises on a failed build (the program destroyed)."""
     try:
         from cuda.bindings import nvrtc
     except ImportError as e:
@@ -114,10 +115,12 @@ def nvrtc_compile(
 ) -> tuple[bytes, str]:
     """(cubin, log) of kernels/verify_mla.cu (or `source`) for `arch`, through NVRTC (cuda-bindings)."""
     nvrtc, prog, log = _compiled(arch, config, extra, source)
-    _, size = nvrtc.nvrtcGetCUBINSize(prog)
-    cubin = b" " * size
-    nvrtc.nvrtcGetCUBIN(prog, cubin)
-    nvrtc.nvrtcDestroyProgram(prog)
+    try:
+        _, size = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
     return cubin, log
 
 
@@ -125,10 +128,12 @@ def nvrtc_ptx(arch: str, config: KernelConfig | None = None, extra: tuple[str, .
     """The PTX NVRTC generates for kernels/verify_mla.cu (or `source`) on `arch`: what the source asked for, before
     ptxas schedules it."""
     nvrtc, prog, _ = _compiled(arch, config, extra, source)
-    _, size = nvrtc.nvrtcGetPTXSize(prog)
-    ptx = b" " * size
-    nvrtc.nvrtcGetPTX(prog, ptx)
-    nvrtc.nvrtcDestroyProgram(prog)
+    try:
+        _, size = nvrtc.nvrtcGetPTXSize(prog)
+        ptx = b" " * size
+        nvrtc.nvrtcGetPTX(prog, ptx)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
     return ptx.decode(errors="replace").rstrip("\x00")
 
 
