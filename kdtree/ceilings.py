@@ -39,14 +39,14 @@ def torch_stream():
     return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
 
 
-def mma_sync_ceilings(do_bench, *defines: str, chains: int = KERNELS["mma_raw"]) -> dict:
+def mma_sync_ceilings(do_bench, *defines: str, chains: int = KERNELS["mma_raw"], blocks_per_sm: int = BLOCKS_PER_SM) -> dict:
     """{"mma_sync_raw_tflops": ..., "mma_sync_ldmatrix_tflops": ...}, each from `do_bench`'s time of one launch; the
-    microkernels built with `defines` ("-DNAME=VALUE"), the raw one on `chains` independent accumulators a warp.
-    Each MMA the source names counts once (with VMLA_MMA_REPEAT=n the rates are those of a part with 1/n the
-    tensor rate)."""
+    microkernels built with `defines` ("-DNAME=VALUE"), the raw one on `chains` independent accumulators a warp,
+    `blocks_per_sm` blocks of 8 warps an SM (1: as many warps as the verify kernel's). Each MMA the source names
+    counts once (with VMLA_MMA_REPEAT=n the rates are those of a part with 1/n the tensor rate)."""
     module = cupy_module(SOURCE, *defines, f"-DVMLA_CEILING_CHAINS={chains}")
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    grid = sms * BLOCKS_PER_SM
+    grid = sms * blocks_per_sm
     out = torch.empty(grid * THREADS, device="cuda")
     stream = torch_stream()
     result = {}

@@ -180,7 +180,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--mma-ceilings",
         action="store_true",
-        help="first measure the mma.sync ceilings at each --mma-repeat, the raw one on 2, 4 and 8 accumulators a warp",
+        help="first measure the mma.sync ceilings at each --mma-repeat, the raw one on 2, 4 and 8 accumulators a warp, "
+        "4 blocks of 8 warps an SM and 1",
     )
     ap.add_argument("--json", type=Path, help="where to write the results (default: $OUT/variants.json)")
     a = ap.parse_args()
@@ -219,19 +220,21 @@ def median_ms(fn) -> float:
 
 
 def measure_mma_ceilings(repeats: list[int]) -> dict:
-    """{"repeat<n> chains<c>": ceilings}: the mma.sync microkernels with every MMA issued n times, the raw one on c
-    independent accumulators a warp (the verify kernel's QK has 4 a warp, its P V 16)."""
-    from kdtree.ceilings import mma_sync_ceilings
+    """{"repeat<n> chains<c> blocks<b>": ceilings}: the mma.sync microkernels with every MMA issued n times, the raw
+    one on c independent accumulators a warp (the verify kernel's QK has 4 a warp, its P V 16), b blocks of 8 warps
+    an SM (kdtree bench's 4, and the verify kernel's 1)."""
+    from kdtree.ceilings import BLOCKS_PER_SM, mma_sync_ceilings
 
     result = {}
     for repeat in repeats:
-        for chains in (2, 4, 8):
-            c = mma_sync_ceilings(median_ms, f"-DVMLA_MMA_REPEAT={repeat}", chains=chains)
-            result[f"repeat{repeat} chains{chains}"] = c
-            print(
-                f"mma.sync ceilings, every MMA issued {repeat}x, raw on {chains} accumulators a warp (TFLOP/s, each MMA "
-                "counted once): " + ", ".join(f"{k} {v:.0f}" for k, v in c.items())
-            )
+        for blocks in (BLOCKS_PER_SM, 1):
+            for chains in (2, 4, 8):
+                c = mma_sync_ceilings(median_ms, f"-DVMLA_MMA_REPEAT={repeat}", chains=chains, blocks_per_sm=blocks)
+                result[f"repeat{repeat} chains{chains} blocks{blocks}"] = c
+                print(
+                    f"mma.sync ceilings, every MMA issued {repeat}x, raw on {chains} accumulators a warp, {blocks} "
+                    "blocks of 8 warps an SM (TFLOP/s, each MMA counted once): " + ", ".join(f"{k} {v:.0f}" for k, v in c.items())
+                )
     return result
 
 
