@@ -87,9 +87,9 @@ def nvrtc_arch(arch: str, config: KernelConfig) -> str:
     return "sm_90a" if config.wgmma and arch == "sm_90" else arch
 
 
-def _compiled(arch: str, config: KernelConfig | None, extra: tuple[str, ...], source: Path):
-    """(nvrtc, program, log) of `source` compiled for `arch` with `config`'s switches; the caller destroys the
-    program. Raises on a failed build (the program destroyed)."""
+def _nvrtc_output(arch: str, config: KernelConfig | None, extra: tuple[str, ...], source: Path, kind: str) -> tuple[bytes, str]:
+    """(NVRTC's `kind` output: "CUBIN" or "PTX", log) of `source` compiled for `arch` with `config`'s switches;
+    raises on a failed build."""
     try:
         from cuda.bindings import nvrtc
     except ImportError as e:
@@ -97,43 +97,35 @@ def _compiled(arch: str, config: KernelConfig | None, extra: tuple[str, ...], so
     config = config or KernelConfig.for_arch(arch)
     src = source.read_bytes()
     err, prog = nvrtc.nvrtcCreateProgram(src, source.name.encode(), 0, [], [])
-    opts = [f"-arch={nvrtc_arch(arch, config)}", "--ptxas-options=-v", *compile_options(config, extra, source)]
-    opts += [f"-I{d}" for d in _nvrtc_include_dirs()]
-    (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-    _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-    buf = b" " * n
-    nvrtc.nvrtcGetProgramLog(prog, buf)
-    log = buf.decode(errors="replace").rstrip("\x00 \n")
-    if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+    try:
+        opts = [f"-arch={nvrtc_arch(arch, config)}", "--ptxas-options=-v", *compile_options(config, extra, source)]
+        opts += [f"-I{d}" for d in _nvrtc_include_dirs()]
+        (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+        buf = b" " * n
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = buf.decode(errors="replace").rstrip("\x00 \n")
+        if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise KernelCompileError(f"{source.name} does not compile for {arch}:\n" + format_compile_error(log, source))
+        _, size = getattr(nvrtc, f"nvrtcGet{kind}Size")(prog)
+        out = b" " * size
+        getattr(nvrtc, f"nvrtcGet{kind}")(prog, out)
+    finally:
         nvrtc.nvrtcDestroyProgram(prog)
-        raise KernelCompileError(f"{source.name} does not compile for {arch}:\n" + format_compile_error(log, source))
-    return nvrtc, prog, log
+    return out, log
 
 
 def nvrtc_compile(
     arch: str, config: KernelConfig | None = None, extra: tuple[str, ...] = (), source: Path = SOURCE
 ) -> tuple[bytes, str]:
     """(cubin, log) of kernels/verify_mla.cu (or `source`) for `arch`, through NVRTC (cuda-bindings)."""
-    nvrtc, prog, log = _compiled(arch, config, extra, source)
-    try:
-        _, size = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * size
-        nvrtc.nvrtcGetCUBIN(prog, cubin)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    return cubin, log
+    return _nvrtc_output(arch, config, extra, source, "CUBIN")
 
 
 def nvrtc_ptx(arch: str, config: KernelConfig | None = None, extra: tuple[str, ...] = (), source: Path = SOURCE) -> str:
     """The PTX NVRTC generates for kernels/verify_mla.cu (or `source`) on `arch`: what the source asked for, before
     ptxas schedules it."""
-    nvrtc, prog, _ = _compiled(arch, config, extra, source)
-    try:
-        _, size = nvrtc.nvrtcGetPTXSize(prog)
-        ptx = b" " * size
-        nvrtc.nvrtcGetPTX(prog, ptx)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    ptx, _ = _nvrtc_output(arch, config, extra, source, "PTX")
     return ptx.decode(errors="replace").rstrip("\x00")
 
 
