@@ -1,5 +1,5 @@
 """Ceilings of the present GPU measured with the package's own microkernels. The bf16 mma.sync rates
-(`kernels/mma_ceiling.cu`): raw (operands in registers, 8 independent accumulators a warp) and ldmatrix-fed
+(`kernels/mma_ceiling.cu`): raw (operands in registers, 8 independent accumulators a warp by default) and ldmatrix-fed
 (every MMA's operands through shared memory, as a real tile gets them); mma.sync is the only tensor-core path
 of sm_120, so these, not the matmul rate, are its ceilings, and on Hopper they sit below wgmma's. The gather
 rate (`kernels/gather_ceiling.cu`): pool rows by slot id into shared memory with 16-byte cp.async, one block

@@ -1,6 +1,6 @@
 // The bf16 mma.sync rate of the present GPU, the ceiling of the code path sm_120 runs (docs/kernel-design.md,
 // "The two numbers"): mma_raw issues m16n8k16 MMAs on operands held in registers, CHAINS independent
-// accumulators a warp so the tensor pipe never waits on a result; mma_ldmatrix feeds every MMA through
+// accumulators a warp (8 by default: enough that the tensor pipe never waits on a result); mma_ldmatrix feeds every MMA through
 // ldmatrix from shared memory, as a real tile does (per k32 step of a warp: 2 A loads, 4 B loads, 8 MMAs).
 // Each thread writes the sum of its accumulators, so nothing is optimised away.
 #include <cuda_bf16.h>

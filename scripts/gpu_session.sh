@@ -62,7 +62,7 @@ for w in "$@"; do
     bench-ref) ref=$(ls -d ref-*/ 2>/dev/null | head -n 1)  # an earlier commit's kdtree/ and kernels/ (git archive), carried
                [ -n "$ref" ] && (cd "$ref" && step bench-ref 240 python3 -m kdtree bench -o "$OUT/ref" --no-sglang) ;;  # (python -m imports from the working directory first)
     test) step test-gpu 570 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
-    variants) step variants 300 python3 scripts/variants.py ;;
+    variants) step variants 300 python3 scripts/variants.py --json "$OUT/variants.json" ;;
     tensor-rate) step tensor-rate 420 python3 scripts/variants.py --mma-ceilings --repeat 3 --cases "" \
                    --variants sm120 bm64_regs --mma-repeat 1 2 --json "$OUT/tensor-rate.json" ;;
     notebooks) [ -f .whl/nbsite312.tar.xz ] && mkdir -p /tmp/site && tar -xJf .whl/nbsite312.tar.xz -C /tmp/site \

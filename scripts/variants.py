@@ -195,8 +195,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def expand_builds(variants: list[str], repeats: list[int]) -> list[tuple[str, object, dict, int]]:
-    """(name, configuration(s), plan options, MMA repeat) of every build to time: each variant at each repeat. The
-    repeat doubles only mma.sync, so a variant with the wgmma body takes none."""
+    """(name, configuration(s), plan options, MMA repeat) of every build to time: each variant at each repeat. A
+    repeat of n issues each mma.sync n times and leaves warpgroup MMAs as they are, so a variant with the wgmma body
+    takes none."""
     builds = []
     for variant in variants:
         config, plan_opts = VARIANTS[variant]
@@ -238,8 +239,8 @@ def measure_mma_ceilings(repeats: list[int]) -> dict:
     return result
 
 
-def time_case(case, builds, repeat: int) -> dict:
-    """{build name: timing and plan facts} for one bench case, the builds timed `repeat` times interleaved. The
+def time_case(case, builds, timings: int) -> dict:
+    """{build name: timing and plan facts} for one bench case, the builds timed `timings` times interleaved. The
     bit-equality column compares each build with the first one whose MMAs are not repeated (None for repeated ones,
     whose sums are wrong by design)."""
     cap = synthesize(case.spec(), reference=False)
@@ -279,7 +280,6 @@ def time_case(case, builds, repeat: int) -> dict:
             if mma_repeat == 1:
                 ref = o.float().clone() if ref is None else ref
                 rel = float((o.float() - ref).norm() / ref.norm())
-            fns[name] = fn
             attrs = kern.compiled(p.config)[1].attributes  # the planned configuration's forward kernel
             rows[name] = {
                 "rel_vs_first": rel,
@@ -293,9 +293,10 @@ def time_case(case, builds, repeat: int) -> dict:
                 "fused": p.fused_merge,
                 "body": f"{p.config.bm}{'/b64' if p.config.wg_blocks64 else ''}{'+few' if p.config.few_row_limit else ''}",
             }
+            fns[name] = fn
         except Exception as e:  # noqa: BLE001
             rows[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
-    for _ in range(repeat):  # the variants interleaved, so that drift in the machine hits them alike
+    for _ in range(timings):  # the variants interleaved, so that drift in the machine hits them alike
         for name, fn in fns.items():
             rows[name]["ms_runs"].append(median_ms(fn))
     for name in fns:
@@ -323,12 +324,12 @@ def print_case(case_name: str, rows: dict) -> None:
 def main():
     a = parse_args()
     builds = expand_builds(a.variants, a.mma_repeat)
+    path = a.json or Path(os.environ.get("OUT", "."), "variants.json")
     result = {"mma_ceilings": measure_mma_ceilings(a.mma_repeat) if a.mma_ceilings else {}, "cases": {}}
     for case in bench.select_cases(a.cases, probes=True):
         result["cases"][case.name] = time_case(case, builds, a.repeat)
         print_case(case.name, result["cases"][case.name])
-    path = a.json or Path(os.environ.get("OUT", "."), "variants.json")
-    path.write_text(json.dumps(result, indent=1))
+        path.write_text(json.dumps(result, indent=1))  # after every case: a call cut short keeps what it timed
 
 
 if __name__ == "__main__":

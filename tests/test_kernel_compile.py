@@ -191,8 +191,9 @@ def test_mma_repeat_issues_every_mma_twice_in_sm120s_limits():
 @pytest.mark.parametrize("arch", ["sm_120", "sm_90"])
 @pytest.mark.parametrize("extra", [(), ("-DVMLA_MMA_REPEAT=2", "-DVMLA_CEILING_CHAINS=2")], ids=["bench", "repeated"])
 def test_mma_ceiling_microkernels_compile_without_spills(arch, extra):
-    """kdtree bench's mma.sync ceilings (kernels/mma_ceiling.cu), and the builds scripts/variants.py --mma-ceilings
-    asks for: both entry points, registers only, no local memory."""
+    """kdtree bench's mma.sync ceilings (kernels/mma_ceiling.cu), and one of the builds scripts/variants.py
+    --mma-ceilings asks for (every MMA twice, 2 accumulators a warp): both entry points, registers only, no local
+    memory."""
     from kdtree.ceilings import KERNELS, SOURCE
 
     _, log = nvrtc_compile(arch, KernelConfig(), extra, source=SOURCE)

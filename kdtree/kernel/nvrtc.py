@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from kdtree.kernel.config import ARCH_LIMITS, FWD, SOURCE, KernelCompileError, KernelConfig, compile_options, format_compile_error
 
@@ -87,7 +88,9 @@ def nvrtc_arch(arch: str, config: KernelConfig) -> str:
     return "sm_90a" if config.wgmma and arch == "sm_90" else arch
 
 
-def _nvrtc_output(arch: str, config: KernelConfig | None, extra: tuple[str, ...], source: Path, kind: str) -> tuple[bytes, str]:
+def _nvrtc_output(
+    arch: str, config: KernelConfig | None, extra: tuple[str, ...], source: Path, kind: Literal["CUBIN", "PTX"]
+) -> tuple[bytes, str]:
     """(NVRTC's `kind` output: "CUBIN" or "PTX", log) of `source` compiled for `arch` with `config`'s switches;
     raises on a failed build."""
     try:
