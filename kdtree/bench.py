@@ -100,6 +100,14 @@ def case_bytes(cap: Capture) -> float:
     return T * H * (cap.meta.head_dim + cap.meta.v_head_dim) * 2 + keys * cap.meta.head_dim * 2
 
 
+def median_ms(fn) -> float:
+    """The bench's timing of `fn`: `triton.testing.do_bench`'s median (L2 flushed before every repetition), 25 ms of
+    warm-up and 100 of repetitions (triton imported here: it needs a GPU)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
 # ----- ceilings ----------------------------------------------------------------------------------
 def measure_ceilings(do_bench) -> dict:
     n = 8192
@@ -306,13 +314,8 @@ def run(
     """Time every case with kdtree, torch, SGLang's Triton kernel (`with_sglang`, where it imports) and FlashInfer's
     causal MLA kernel (`with_flashinfer`, where it imports; chain cases only; the first of `flashinfer_backends`
     that runs), in this run, with its ceilings."""
-    import triton.testing
-
-    def do_bench(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
     torch.manual_seed(0)
-    ceilings = measure_ceilings(do_bench)
+    ceilings = measure_ceilings(median_ms)
     log(
         f"ceilings: bf16 matmul {ceilings['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s, "
         f"mma.sync raw {ceilings.get('mma_sync_raw_tflops', float('nan')):.0f} / ldmatrix-fed "
@@ -352,7 +355,7 @@ def run(
                 fn()  # also compiles / autotunes
                 torch.cuda.synchronize()
                 outs[name] = out.clone()
-                ms = do_bench(fn)
+                ms = median_ms(fn)
                 r.impls[name] = {"ms": ms, "tflops": flops / ms / 1e9, "floor_fraction": floor_ms / ms, **info}
             except Exception as e:  # noqa: BLE001 - report and go on with the other implementations
                 r.impls[name] = {"error": f"{type(e).__name__}: {e}"}

@@ -21,7 +21,6 @@ os.environ.setdefault("KDTREE_KERNEL_TARGET", "sm_120")  # the verify kernel's s
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import triton.testing  # noqa: E402
 
 from kdtree import bench  # noqa: E402
 from kdtree.ceilings import cupy_module, mma_sync_ceilings, torch_stream  # noqa: E402
@@ -52,10 +51,6 @@ PARTS = {  # name -> -D switches of a timing build
     "ping-pong, V forwarded": ("-DPROBE_PINGPONG=1", "-DPROBE_FWD_V=1"),
     "ping-pong, V forwarded, producer alone": ("-DPROBE_PINGPONG=1", "-DPROBE_FWD_V=1", "-DPROBE_ROLE_ONLY=1"),
 }
-
-
-def median_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def reference(q, pool, slots, scale):
@@ -117,9 +112,9 @@ def main() -> None:
         return max(((out[c] - ref).abs().max() / ref.abs().max()).item() for c, ref in refs.items())
 
     rel = worst_rel()
-    ms = median_ms(launch)
+    ms = bench.median_ms(launch)
     flops = clusters * ROWS * a.keys * (DIM + VDIM) * 2
-    ceil = mma_sync_ceilings(median_ms)
+    ceil = mma_sync_ceilings(bench.median_ms)
     raw = ceil["mma_sync_raw_tflops"]
     probe = dict(ms=ms, tflops=flops / ms / 1e9, smem=smem, rel_vs_torch=rel, clusters=clusters, keys=a.keys)
     print(f"mma.sync raw {raw:.0f} TFLOP/s, ldmatrix-fed {ceil['mma_sync_ldmatrix_tflops']:.0f}")
@@ -136,7 +131,9 @@ def main() -> None:
         checked = not any("ROLE_ONLY" in d or "SKIP" in d for d in defines)  # a build whose output is meant to be right
         part_rel = worst_rel() if checked else None
         parts[name] = dict(
-            ms=median_ms(lambda part=part, part_smem=part_smem: launch(part, part_smem)), rel_vs_torch=part_rel, smem=part_smem
+            ms=bench.median_ms(lambda part=part, part_smem=part_smem: launch(part, part_smem)),
+            rel_vs_torch=part_rel,
+            smem=part_smem,
         )
         print(
             f"  {name:40s} {parts[name]['ms']:.3f} ms ({parts[name]['ms'] / ms:.2f}x the probe), smem {part_smem} B"
@@ -146,7 +143,7 @@ def main() -> None:
     cases = []
     for case in bench.select_cases(a.cases, probes=True):
         run = bench.case_launch(case, kern.plan)
-        cms = median_ms(lambda run=run: run.launch(kern))
+        cms = bench.median_ms(lambda run=run: run.launch(kern))
         tf = bench.case_flops(run.cap) / cms / 1e9
         cases.append(dict(name=case.name, ms=cms, tflops=tf))
         print(f"sm_120 configuration, {case.name}: {cms:.3f} ms, {tf:.0f} TFLOP/s = {tf / raw:.0%} of raw mma.sync")

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import torch
-import triton.testing
 
 from kdtree import bench  # noqa: E402
+from kdtree.ceilings import BLOCKS_PER_SM, mma_sync_ceilings  # noqa: E402
 from kdtree.kernel import MERGE_THREADS, KernelConfig, VerifyKernel, Workspace, pdl_available, plan  # noqa: E402
 from kdtree.marshal import marshal  # noqa: E402
 from kdtree.synth import synthesize  # noqa: E402
@@ -210,27 +210,20 @@ def expand_builds(variants: list[str], repeats: list[int]) -> list[tuple[str, ob
                 raise SystemExit(
                     f"--mma-repeat {repeat}: {variant} runs warpgroup MMAs, which VMLA_MMA_REPEAT leaves as they are"
                 )
-            define = f"VMLA_MMA_REPEAT={repeat}"
-            repeated = each_with(config, define) if isinstance(config, tuple) else config.with_defines([define])
-            builds.append((f"{variant}_mma_x{repeat}", repeated, plan_opts, repeat))
+            repeated = each_with(configs, f"VMLA_MMA_REPEAT={repeat}")
+            builds.append((f"{variant}_mma_x{repeat}", repeated if isinstance(config, tuple) else repeated[0], plan_opts, repeat))
     return builds
-
-
-def median_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def measure_mma_ceilings(repeats: list[int]) -> dict:
     """{"repeat<n> chains<c> blocks<b>": ceilings}: the mma.sync microkernels with every MMA issued n times, the raw
     one on c independent accumulators a warp (the verify kernel's QK has 4 a warp, its P V 16), b blocks of 8 warps
     an SM (kdtree bench's 4, and the verify kernel's 1)."""
-    from kdtree.ceilings import BLOCKS_PER_SM, mma_sync_ceilings
-
     result = {}
     for repeat in repeats:
         for blocks in (BLOCKS_PER_SM, 1):
             for chains in (2, 4, 8):
-                c = mma_sync_ceilings(median_ms, f"-DVMLA_MMA_REPEAT={repeat}", chains=chains, blocks_per_sm=blocks)
+                c = mma_sync_ceilings(bench.median_ms, f"-DVMLA_MMA_REPEAT={repeat}", chains=chains, blocks_per_sm=blocks)
                 result[f"repeat{repeat} chains{chains} blocks{blocks}"] = c
                 print(
                     f"mma.sync ceilings, every MMA issued {repeat}x, raw on {chains} accumulators a warp, {blocks} "
@@ -298,7 +291,7 @@ def time_case(case, builds, timings: int) -> dict:
             rows[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     for _ in range(timings):  # the variants interleaved, so that drift in the machine hits them alike
         for name, fn in fns.items():
-            rows[name]["ms_runs"].append(median_ms(fn))
+            rows[name]["ms_runs"].append(bench.median_ms(fn))
     for name in fns:
         r = rows[name]
         r["ms"] = statistics.median(r["ms_runs"])
