@@ -354,17 +354,20 @@ def load(path: str | os.PathLike, *, validate: bool = True) -> Capture:
     return cap
 
 
-def save(capture: Capture, path: str | os.PathLike) -> Path:
-    """Write atomically: a temporary file in the same folder, fsynced, then renamed over `path`."""
+def save(capture: Capture, path: str | os.PathLike, *, private: bool = False) -> Path:
+    """Write atomically: a temporary file in the same folder, fsynced, then renamed over `path`. The file gets
+    the mode a plain open() would give it, or, `private`, 0600 (owner only: a server's captures hold
+    activations derived from its users' prompts)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # one metadata key: safetensors does not keep the order of several, and files must be reproducible
     metadata = {"kdtree": header_json(capture.meta)}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the mode a plain open() would
+    if not private:  # mkstemp creates 0600; give the file the mode a plain open() would
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
     try:
         save_file(capture.tensor_dict(), tmp, metadata=metadata)
         with open(tmp, "rb") as f:

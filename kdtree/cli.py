@@ -1,4 +1,4 @@
-"""`kdtree` command line: info, synth, diff, compile, plan, bench.
+"""`kdtree` command line: info, synth, diff, compile, plan, bench, server-check.
 
 Exit codes: 0 success / within tolerance, 1 outside tolerance, 2 bad input (one line on stderr, no traceback).
 """
@@ -367,6 +367,100 @@ def bench(
     js, png = b.save(result, out)
     typer.echo(b.summary_table(result))
     typer.echo(f"wrote {js} and {png}")
+
+
+@app.command("server-check")
+def server_check(
+    out: Path = typer.Option(
+        Path("server-check"), "--out", "-o", help="folder for report.json, each mode's server log, captures"
+    ),
+    mode: Optional[List[str]] = typer.Option(
+        None, "--mode", help="shadow, serve, capture (default: all three), triton (a baseline; repeatable)"
+    ),
+    heads: int = typer.Option(8, help="attention heads per TP rank (Kimi K2.x at TP8: 8; DeepSeek-V3 at TP8: 16)"),
+    tp: int = typer.Option(1, help="tensor-parallel size (--tp of the server)"),
+    layers: int = typer.Option(2, help="layers of the tiny model"),
+    hidden_size: int = typer.Option(256, help="hidden size of the tiny model"),
+    context_length: int = typer.Option(4096, help="the model's and the server's context length"),
+    model_dir: Optional[Path] = typer.Option(
+        None, help="where the tiny checkpoint is built (reused if built from the same options)"
+    ),
+    draft_tokens: int = typer.Option(16, help="NGRAM draft tokens per request (--speculative-num-draft-tokens)"),
+    bfs_breadth: int = typer.Option(4, help="NGRAM's BFS breadth (1: chains; above 1: trees where the n-grams branch)"),
+    page_size: int = typer.Option(1, help="the KV pool's page size (above 1 needs --bfs-breadth 1)"),
+    requests: int = typer.Option(8, help="greedy requests per mode"),
+    concurrency: int = typer.Option(4, help="requests in flight at once"),
+    max_new_tokens: int = typer.Option(64, help="tokens each request decodes (EOS ignored)"),
+    prompt_chars: int = typer.Option(0, help="grow each prompt to at least this many characters"),
+    tolerance: float = typer.Option(5e-3, help="shadow mode passes when every rel <= this"),
+    entrypoint: str = typer.Option(
+        "launch_server", help="launch_server (python -m sglang.launch_server) or serve (sglang serve)"
+    ),
+    startup_timeout: float = typer.Option(600.0, help="seconds a server may take to answer"),
+    server_arg: Optional[List[str]] = typer.Option(None, "--server-arg", help="one more server flag, as given (repeatable)"),
+    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+):
+    """Launch a real SGLang server with --attention-backend kdtree and NGRAM tree speculation on loopback, over a
+    tiny random DeepSeek-V3-architecture checkpoint built offline, in each mode (shadow eager, serve under CUDA
+    graphs, capture); drive greedy requests; report per mode. Exit 0 when every mode passes, 1 when one fails,
+    2 on bad input or a machine that cannot run it. Run it before pointing kdtree at a real model."""
+    import importlib.util
+
+    from kdtree.server.check import CheckSettings, run_check
+    from kdtree.server.checkpoint import CheckpointError, TinySpec
+    from kdtree.server.process import sigterm_as_interrupt
+    from kdtree.server.report import format_report
+
+    spec = TinySpec(heads_per_rank=heads, tp=tp, layers=layers, hidden_size=hidden_size, context_length=context_length)
+    settings = CheckSettings(
+        modes=tuple(mode) if mode else CheckSettings.modes,
+        draft_tokens=draft_tokens,
+        bfs_breadth=bfs_breadth,
+        page_size=page_size,
+        requests=requests,
+        concurrency=concurrency,
+        max_new_tokens=max_new_tokens,
+        prompt_chars=prompt_chars,
+        tolerance=tolerance,
+        entrypoint=entrypoint,
+        startup_timeout=startup_timeout,
+        extra_args=tuple(server_arg or ()),
+    )
+    try:
+        spec.check()
+        settings.check()
+    except ValueError as e:
+        _fail(str(e))
+    for module, what in (
+        ("sglang", "SGLang (pip install -e '.[sglang]')"),
+        ("transformers", "transformers"),
+        ("tokenizers", "tokenizers"),
+    ):
+        if importlib.util.find_spec(module) is None:
+            _fail(f"kdtree server-check needs {what}")
+    import torch
+
+    if not torch.cuda.is_available():
+        _fail("kdtree server-check needs a CUDA GPU (it launches a real SGLang server)")
+    console = Console(stderr=True)
+    try:
+        with sigterm_as_interrupt(), console.status("server-check") as status:
+            report = run_check(
+                spec,
+                settings,
+                out,
+                model_dir=model_dir,
+                say=status.update,
+                on_mode=lambda r: console.print(f"{r.mode}: {'PASS' if r.passed else 'FAIL'} ({r.seconds:.0f} s)"),
+            )
+    except KeyboardInterrupt:
+        typer.echo(f"kdtree server-check: interrupted; servers stopped; partial report in {out / 'report.json'}", err=True)
+        raise typer.Exit(130) from None
+    except CheckpointError as e:
+        _fail(str(e))
+    typer.echo(json.dumps(report, indent=1, default=str) if as_json else format_report(report))
+    typer.echo(f"report: {out / 'report.json'}", err=True)
+    raise typer.Exit(0 if report["passed"] else 1)
 
 
 def main() -> None:

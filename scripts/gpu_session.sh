@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
-# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|all] ...
+# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|server-check|all] ...
 # (bench-chain: the chain cases with FlashInfer's causal MLA kernel beside kdtree; carry .whl/fi312.tar.xz alone)
 # (bench-chain-fa2: sm_120's configuration against FlashInfer's portable fa2 kernel, first as its dispatch sizes it
 #  for this GPU, then on a copy of FlashInfer edited to take the branch it takes at sm_120's ~100 KB a SM; carry
@@ -8,6 +8,8 @@
 # (bench-ref: the kernel of an earlier commit, `git archive <commit> kdtree kernels` unpacked in ref-<commit>/, carried)
 # (tensor-rate: the sm_120 configuration and 64 rows with Q in registers, each beside the same kernel with every MMA
 #  issued twice, a part with half this GPU's mma.sync rate per SM-cycle, on every bench case; the ceilings of both)
+# (server-check: `kdtree server-check` with the real sgl_kernel when .whl/sgl_kernel312.tar.xz is carried, else the
+#  test stand-in; SERVER_CHECK_ARGS adds options; carry .whl with site312.tar.xz and leave data/ behind)
 # (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;
 #  quick: the shipped captures, the fused merge and determinism tests only)
 set -uo pipefail
@@ -24,7 +26,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,
 step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n 25 "$OUT/$name.log"; echo "== $name rc=$rc ($((SECONDS - t0)) s)"
   return $rc; }
-step compile 120 python3 -m kdtree compile --arch sm_90 --arch sm_120
+[ "${SKIP_COMPILE:-0}" = 1 ] || step compile 120 python3 -m kdtree compile --arch sm_90 --arch sm_120
 for w in "$@"; do [ "$w" = all ] && set -- smoke test; done
 [ $# -eq 0 ] && set -- smoke test
 for w in "$@"; do
@@ -73,5 +75,16 @@ for w in "$@"; do
             step test-sglang 540 python3 -m pytest -q -rs tests/test_sglang_gpu.py tests/test_serving_gpu.py ;;
     sglang-captures) step sglang-captures 300 python3 scripts/sglang_captures.py "$OUT" ;;
     sglang-bench) step sglang-bench 420 python3 scripts/sglang_bench.py "$OUT/bench-sglang.json" ;;
+    server-check) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1  # the plugin's entry point
+                  if [ -f .whl/sgl_kernel312.tar.xz ]; then   # the real sgl_kernel (scripts/pack_sgl_kernel.sh)
+                    tar -xJf .whl/sgl_kernel312.tar.xz -C /tmp/site
+                  else                                       # else the test stand-in, in every server process
+                    export PYTHONPATH="$PWD/tests/sglang_harness/site:$PYTHONPATH" SGLANG_FORCE_FUSED_OP_BACKEND=torch \
+                      SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+                  fi
+                  step server-check "${SERVER_CHECK_LIMIT:-560}" python3 -m kdtree server-check -o /tmp/server-check \
+                    --model-dir /tmp/tiny-model ${SERVER_CHECK_ARGS:-}
+                  cp /tmp/server-check/*.log /tmp/server-check/report.json "$OUT/" 2>/dev/null
+                  [ -d /tmp/server-check/captures ] && tar -cJf "$OUT/captures.tar.xz" -C /tmp/server-check captures ;;
   esac
 done

@@ -96,6 +96,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
         if not in_capture:  # a replay: its graph is fixed, whatever this step would choose
             if is_verify and self._graph_sizes.get(bs, False):
                 self._refill_graph_mask(forward_batch)  # all the host work a replayed kdtree step has
+                log.once("replay", f"serving: replaying CUDA graphs kdtree captured (batch size {bs} first)", logging.INFO)
                 self._new_step(forward_batch, owned=True)
                 return
             super().init_forward_metadata_out_graph(forward_batch, in_capture)
@@ -351,6 +352,12 @@ class KdtreeAttnBackend(TritonAttnBackend):
             try:
                 o = self._serve(q, k, v, layer, forward_batch, save_kv_cache)
                 self._note_capture(kdtree=True)
+                log.once(
+                    "served",
+                    f"serving: first verify step kdtree served (batch {len(forward_batch.req_pool_indices)}, "
+                    f"{self.num_tokens_per_request(forward_batch)} draft tokens, {layer.tp_q_head_num} heads)",
+                    logging.INFO,
+                )
                 return o
             except Exception as e:  # noqa: BLE001 - any kdtree failure falls back to Triton
                 log.once(f"serve:{type(e).__name__}", f"kdtree failed ({type(e).__name__}: {e}); Triton serves")

@@ -90,7 +90,7 @@ class CaptureWriter:
         try:
             cap = Capture.from_tensors(meta, tensors)
             self.directory.mkdir(parents=True, exist_ok=True)
-            save(cap, path)
+            save(cap, path, private=True)  # 0600: activations derived from users' prompts
         except CaptureError as e:
             self._stop("invalid", f"the step did not make a valid capture ({e})")
             return None

@@ -1,0 +1,125 @@
+"""Greedy requests to an SGLang server over HTTP (stdlib only), and prompts that make NGRAM speculation draft.
+
+NGRAM drafts from an n-gram trie of the text it has seen, so prompts that repeat themselves (and share openings:
+radix-cache hits) give it something to draft from; with random weights the continuation is noise, which is what
+the shadow diff and the agreement rate are robust to."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "one two three four five six seven eight nine ten",
+    "speculative decoding drafts a tree and the target verifies it",
+    "a kernel engineer reads the mask row by row",
+    "def verify(tree, prefix): return [node for node in tree]",
+    "kimi and deepseek share one attention: q and k of 576, v of 512",
+]
+OPENINGS = ["Repeat after me: ", "Count again: ", "Once more, slowly: ", ""]
+
+
+def prompts(count: int, *, seed: int = 0, repeats: int = 3, min_chars: int = 0) -> list[str]:
+    """`count` prompts, each a few sentences repeated `repeats` times (NGRAM matches them), about a third sharing
+    an opening with an earlier one (radix-cache hits); each grown to at least `min_chars` characters."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    for i in range(count):
+        body = ". ".join(rng.sample(SENTENCES, k=rng.randint(1, 3)))
+        text = OPENINGS[i % len(OPENINGS)] + ". ".join([body] * repeats) + "."
+        if out and i % 3 == 2:
+            text = out[i - 1][: len(out[i - 1]) // 2] + " " + text  # shares the previous prompt's first half
+        while len(text) < min_chars:
+            text += " " + rng.choice(SENTENCES) + "."
+        out.append(text)
+    return out
+
+
+@dataclass
+class Reply:
+    """One request's outcome: answered or not, what came back, and SGLang's speculative counters."""
+
+    prompt_index: int
+    ok: bool
+    status: int | None = None
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    completion_tokens: int = 0
+    spec_verify_ct: int = 0
+    spec_accept_length: float | None = None
+    seconds: float = 0.0
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("output_ids")
+        return d
+
+
+def _post(url: str, payload: dict, timeout: float) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status, json.loads(r.read())
+
+
+def generate(base_url: str, prompt: str, *, max_new_tokens: int, index: int = 0, timeout: float = 300.0) -> Reply:
+    """POST /generate, greedy (temperature 0, EOS ignored so every request decodes `max_new_tokens`)."""
+    payload = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    t0 = time.monotonic()
+    try:
+        status, body = _post(base_url + "/generate", payload, timeout)
+    except urllib.error.HTTPError as e:
+        return Reply(index, False, e.code, error=f"HTTP {e.code}: {e.read()[:300]!r}", seconds=time.monotonic() - t0)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return Reply(index, False, error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
+    meta = body.get("meta_info", {})
+    return Reply(
+        index,
+        ok=status == 200 and meta.get("completion_tokens", 0) > 0,
+        status=status,
+        text=body.get("text", ""),
+        output_ids=list(body.get("output_ids") or []),
+        completion_tokens=int(meta.get("completion_tokens", 0)),
+        spec_verify_ct=int(meta.get("spec_verify_ct", 0) or 0),
+        spec_accept_length=meta.get("spec_accept_length"),
+        seconds=time.monotonic() - t0,
+    )
+
+
+def openai_probe(base_url: str, *, max_tokens: int = 16, timeout: float = 120.0) -> dict[str, bool]:
+    """One greedy /v1/completions and one /v1/chat/completions call: whether each answered with text."""
+    out = {}
+    calls = {
+        "/v1/completions": {"model": "default", "prompt": prompts(1)[0], "max_tokens": max_tokens, "temperature": 0},
+        "/v1/chat/completions": {
+            "model": "default",
+            "messages": [{"role": "user", "content": prompts(2)[1]}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+    }
+    for path, payload in calls.items():
+        try:
+            status, body = _post(base_url + path, payload, timeout)
+            choice = (body.get("choices") or [{}])[0]
+            text = choice.get("text") or (choice.get("message") or {}).get("content")
+            out[path] = status == 200 and bool(text)
+        except (urllib.error.URLError, OSError, ValueError):
+            out[path] = False
+    return out
+
+
+def drive(base_url: str, texts: list[str], *, concurrency: int, max_new_tokens: int, timeout: float = 300.0) -> list[Reply]:
+    """Send every prompt, `concurrency` at a time; replies in prompt order."""
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        futures = [
+            pool.submit(generate, base_url, t, max_new_tokens=max_new_tokens, index=i, timeout=timeout)
+            for i, t in enumerate(texts)
+        ]
+        return [f.result() for f in futures]

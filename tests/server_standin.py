@@ -1,0 +1,126 @@
+"""A stand-in for `sglang.launch_server`, for CPU tests of kdtree's server check (`kdtree.server`): SGLang's server
+needs a CUDA GPU, which CI does not have. It stands in for SGLang's HTTP side and its log, not for anything kdtree
+computes; the real server runs in the GPU tests (tests/test_server_gpu.py).
+
+Like SGLang's launcher it spawns a child (its "scheduler") in its own process group, answers `/model_info`,
+`/generate`, `/v1/completions` and `/v1/chat/completions` on loopback, and prints what SGLang and kdtree's backend
+print for the mode in KDTREE_MODE: shadow lines (rel from STANDIN_REL), the target-verify CUDA-graph capture
+line and kdtree's serve lines (serve, triton), a capture file per request (capture: a synthetic capture written by
+kdtree's own writer into KDTREE_CAPTURE_DIR).
+
+Usage: python server_standin.py PORT [--delay S] [--exit-early CODE] [--ignore-sigterm] [--never-ready]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def scheduler(ignore_sigterm: bool) -> None:
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(1)
+
+
+_lock = threading.Lock()
+
+
+def say(line: str) -> None:
+    with _lock:
+        print(line, flush=True)
+
+
+class Handler(BaseHTTPRequestHandler):
+    mode = "serve"
+    served = 0
+
+    def log_message(self, *args):  # quiet, as SGLang's access log is off
+        pass
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path == "/model_info":
+            self._send(200, {"model_path": "standin"})
+        else:
+            self._send(404, {})
+
+    def do_POST(self):
+        payload = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        with _lock:
+            Handler.served += 1
+            index = Handler.served
+        if self.path == "/generate":
+            n = payload["sampling_params"]["max_new_tokens"]
+            self._on_request(index)
+            self._send(200, {"text": payload["text"][::-1][:n], "output_ids": list(range(n)),
+                             "meta_info": {"completion_tokens": n, "spec_verify_ct": max(1, n // 2), "spec_accept_length": 2.0}})  # fmt: skip
+        elif self.path == "/v1/completions":
+            self._send(200, {"choices": [{"text": "ok"}]})
+        elif self.path == "/v1/chat/completions":
+            self._send(200, {"choices": [{"message": {"content": "ok"}}]})
+        else:
+            self._send(404, {})
+
+    def _on_request(self, index: int) -> None:
+        rel = os.environ.get("STANDIN_REL", "1.2e-03")
+        if self.mode == "shadow":
+            for layer in (0, 1):
+                say(f"[kdtree] L{layer} max_abs_diff=3.9062e-03 mean=3.7e-05 rel={rel}")
+        elif self.mode == "serve":
+            say("[kdtree] serving: first verify step kdtree served (batch 1, 16 draft tokens, 8 heads)")
+            say("[kdtree] serving: replaying CUDA graphs kdtree captured (batch size 1 first)")
+        elif self.mode == "capture":
+            from kdtree.capture import save
+            from kdtree.synth import SynthSpec, synthesize
+
+            directory = os.environ["KDTREE_CAPTURE_DIR"]
+            os.makedirs(directory, exist_ok=True)
+            cap = synthesize(SynthSpec(batch_size=1, prefix_lens=[40], tree="chain", num_draft_tokens=4, seed=index))
+            save(cap, os.path.join(directory, f"step{index:06d}-L0-tp0.safetensors"), private=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("port", type=int)
+    ap.add_argument("--delay", type=float, default=0.5)
+    ap.add_argument("--exit-early", type=int, default=None)
+    ap.add_argument("--ignore-sigterm", action="store_true")
+    ap.add_argument("--never-ready", action="store_true")
+    args = ap.parse_args()
+    child = multiprocessing.get_context("spawn").Process(target=scheduler, args=(args.ignore_sigterm,))
+    child.start()
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    Handler.mode = os.environ.get("KDTREE_MODE", "serve")
+    say(f"[kdtree] attention backend kdtree, mode {Handler.mode} (KDTREE_MODE)")
+    time.sleep(args.delay)
+    if args.exit_early is not None:
+        say("Traceback (most recent call last):\nRuntimeError: the stand-in was told to exit early")
+        child.kill()
+        sys.exit(args.exit_early)
+    if args.never_ready:
+        while True:
+            time.sleep(1)
+    if Handler.mode in ("serve", "triton"):
+        say("Capture target verify CUDA graph end. bs=[1, 2, 3, 4], elapsed=1.00 s, mem usage=0.01 GB")
+    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

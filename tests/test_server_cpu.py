@@ -1,0 +1,311 @@
+"""The server check without a GPU: the tiny checkpoint's config and tokenizer, the log reader, the verdicts,
+and process clean-up on every path, against `tests/server_standin.py` (SGLang's server needs a GPU; the real one
+runs in tests/test_server_gpu.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kdtree.cli import app
+from kdtree.server import check, logscan
+from kdtree.server.checkpoint import (
+    KV_LORA_RANK,
+    QK_ROPE_HEAD_DIM,
+    SGLANG_FIELDS,
+    CheckpointError,
+    TinySpec,
+    build_checkpoint,
+    config_dict,
+)
+from kdtree.server.process import ServerError, ServerProcess, free_port, group_alive, port_in_use
+
+STANDIN = Path(__file__).with_name("server_standin.py")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def standin(*flags: str):
+    return lambda port: [sys.executable, str(STANDIN), str(port), *flags]
+
+
+def standin_env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+
+
+# ----- the tiny checkpoint ---------------------------------------------------------------------------------
+def test_config_has_kimi_and_deepseeks_mla_dims_and_what_sglangs_loader_reads():
+    cfg = config_dict(TinySpec(heads_per_rank=16, tp=2, layers=3), vocab_size=512)
+    assert cfg["num_attention_heads"] == 32  # heads per rank x TP
+    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (KV_LORA_RANK, QK_ROPE_HEAD_DIM) == (512, 64)
+    assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == 576  # absorbed q/k
+    assert cfg["first_k_dense_replace"] == 3  # every layer dense: no MoE kernels
+    assert cfg["max_position_embeddings"] == 4096
+    assert all(cfg[k] == v for k, v in SGLANG_FIELDS.items()) and cfg["moe_layer_freq"] == 1
+
+
+@pytest.mark.parametrize(
+    "bad, word", [(dict(heads_per_rank=0), "heads_per_rank"), (dict(hidden_size=100), "hidden_size"), (dict(vocab=100), "vocab")]
+)
+def test_a_spec_that_cannot_make_a_model_names_its_field(bad, word):
+    with pytest.raises(ValueError, match=word):
+        TinySpec(**bad).check()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    pytest.importorskip("transformers")
+    return build_checkpoint(TinySpec(layers=1, hidden_size=64, context_length=512), tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+def test_the_checkpoint_loads_with_transformers_and_keeps_sglangs_fields(tiny):
+    from transformers import AutoConfig, AutoTokenizer
+
+    saved = json.loads((tiny / "config.json").read_text())
+    assert all(saved[k] == v for k, v in SGLANG_FIELDS.items())
+    cfg = AutoConfig.from_pretrained(tiny)
+    assert (cfg.model_type, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.num_hidden_layers) == ("deepseek_v3", 8, 512, 1)
+    tok = AutoTokenizer.from_pretrained(tiny)
+    assert cfg.vocab_size >= len(tok) and cfg.vocab_size % 64 == 0
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and len(ids) < len(text)  # merges learned, byte-level round trip
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|user|>hi\n<|assistant|>"
+    weights = {p.name for p in tiny.glob("*.safetensors")}
+    assert weights == {"model.safetensors"}
+
+
+def test_a_checkpoint_of_the_same_spec_is_reused_and_another_is_refused(tiny):
+    before = (tiny / "model.safetensors").stat().st_mtime_ns
+    assert build_checkpoint(TinySpec(layers=1, hidden_size=64, context_length=512), tiny) == tiny
+    assert (tiny / "model.safetensors").stat().st_mtime_ns == before
+    with pytest.raises(CheckpointError, match="not a kdtree tiny checkpoint"):
+        build_checkpoint(TinySpec(layers=2, hidden_size=64, context_length=512), tiny)
+    assert (tiny / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    import transformers
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", boom)
+    with pytest.raises(OSError, match="disk full"):
+        build_checkpoint(TinySpec(layers=1, hidden_size=64), tmp_path / "m")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----- the log --------------------------------------------------------------------------------------------
+LOG = textwrap.dedent(
+    """\
+    [2026-12-06 04:00:00] Capture target verify CUDA graph begin. backend=full, num_tokens_per_req=16
+    [2026-12-06 04:00:02] Capture target verify CUDA graph end. bs=[1, 2, 3, 4], elapsed=2.00 s, mem usage=0.1 GB
+    [kdtree] attention backend kdtree, mode shadow (KDTREE_MODE), body default (KDTREE_BODY), TP rank 0
+    [kdtree] L0 max_abs_diff=3.9062e-03 mean=3.7352e-05 rel=7.7061e-04
+    [kdtree] L1 max_abs_diff=4.1e-01 mean=1.0e-02 rel=9.9e-01 nonfinite=3 worst: request=3 node=17 head=5 abs=4.1e-01 (step 12)
+    2026-12-06 04:00:03 WARNING kdtree: [kdtree] kdtree failed (ValueError: bad); Triton serves
+    [kdtree] capture stopped: 16 files written to caps, the KDTREE_CAPTURE_MAX_FILES budget; serving goes on
+    [kdtree] Triton serves: not TARGET_VERIFY (prefill, decode and draft modes are Triton's)
+    Traceback (most recent call last):
+    """
+)
+
+
+def test_the_log_reader_sorts_kdtrees_lines():
+    s = logscan.scan(LOG)
+    assert [(x.layer, x.rel, x.nonfinite) for x in s.shadow] == [(0, 7.7061e-04, 0), (1, 9.9e-01, 3)]
+    assert s.worst_rel == 9.9e-01 and s.nonfinite == 3
+    assert s.graph_batch_sizes == [1, 2, 3, 4]
+    assert s.fallbacks == ["kdtree failed (ValueError: bad); Triton serves"]  # refusals of prefill are not fallbacks
+    assert len(s.budget_stops) == 1 and "KDTREE_CAPTURE_MAX_FILES" in s.budget_stops[0]
+    assert not s.served and s.errors == ["Traceback (most recent call last):"]
+
+
+# ----- process clean-up -----------------------------------------------------------------------------------
+def _server(tmp_path, *flags, port=None):
+    port = port or free_port()
+    return ServerProcess(standin(*flags)(port), port=port, log_path=tmp_path / "server.log", env=standin_env())
+
+
+def test_a_ready_server_is_ended_with_its_whole_group_and_frees_its_port(tmp_path):
+    with _server(tmp_path) as server:
+        server.wait_ready(30)
+        assert port_in_use(server.port) and group_alive(server.pgid)
+    assert server.stopped == {"stopped": True, "sigkill": False, "exit_code": server.proc.returncode,
+                              "group_left": False, "port_free": True}  # fmt: skip
+    assert not group_alive(server.pgid)
+
+
+def test_a_server_that_ignores_sigterm_is_killed(tmp_path):
+    with _server(tmp_path, "--ignore-sigterm") as server:
+        server.wait_ready(30)
+        server.stop(grace=1.0)
+    assert server.stopped["sigkill"] is True and not group_alive(server.pgid)
+
+
+def test_a_server_that_dies_while_starting_is_an_error_with_its_log(tmp_path):
+    with pytest.raises(ServerError, match="exited with code 3") as e:
+        with _server(tmp_path, "--exit-early", "3") as server:
+            server.wait_ready(30)
+    assert "told to exit early" in e.value.log_tail
+    assert not group_alive(server.pgid)  # its scheduler child is gone too
+
+
+def test_a_server_never_ready_times_out_and_is_ended(tmp_path):
+    with pytest.raises(ServerError, match="not ready after 2 s"):
+        with _server(tmp_path, "--never-ready") as server:
+            server.wait_ready(2)
+    assert not group_alive(server.pgid)
+
+
+def test_ctrl_c_inside_the_block_ends_the_group(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        with _server(tmp_path) as server:
+            server.wait_ready(30)
+            raise KeyboardInterrupt
+    assert not group_alive(server.pgid) and not port_in_use(server.port)
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(tmp_path):
+    with _server(tmp_path) as first:
+        first.wait_ready(30)
+        second = _server(tmp_path / "b", port=first.port)
+        with pytest.raises(ServerError, match="in use"):
+            second.start()
+        assert second.proc is None
+
+
+def test_sigterm_to_the_caller_ends_the_server(tmp_path):
+    """A process running a server under `sigterm_as_interrupt` (as `kdtree server-check` does) is sent SIGTERM:
+    the server's group is gone after it exits."""
+    port = free_port()
+    pgid_file = tmp_path / "pgid"
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from kdtree.server.process import ServerProcess, sigterm_as_interrupt
+        with sigterm_as_interrupt(), ServerProcess({standin()(port)!r}, port={port}, log_path=Path({str(tmp_path / "s.log")!r})) as s:
+            s.wait_ready(30)
+            Path({str(pgid_file)!r}).write_text(str(s.pgid))
+            time.sleep(60)
+        """
+    )
+    caller = subprocess.Popen([sys.executable, "-c", code], env=standin_env())
+    deadline = time.monotonic() + 30
+    while not pgid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pgid = int(pgid_file.read_text())
+    assert group_alive(pgid)
+    caller.send_signal(signal.SIGTERM)
+    assert caller.wait(timeout=30) != 0
+    assert not group_alive(pgid) and not port_in_use(port)
+
+
+# ----- a mode's run and verdict against the stand-in -------------------------------------------------------
+SETTINGS = check.CheckSettings(requests=3, concurrency=2, max_new_tokens=8, startup_timeout=30)
+
+
+def _run(mode, tmp_path, monkeypatch, rel="1.2e-03", settings=SETTINGS):
+    monkeypatch.setenv("STANDIN_REL", rel)
+    monkeypatch.setenv("PYTHONPATH", standin_env()["PYTHONPATH"])
+    return check.run_mode(mode, tmp_path / "model", TinySpec(), settings, tmp_path, launcher=standin())
+
+
+def test_shadow_passes_within_tolerance_and_fails_beyond_it(tmp_path, monkeypatch):
+    good = _run("shadow", tmp_path, monkeypatch)
+    assert good.passed, good.reasons
+    assert (good.answered, good.scan["shadow_lines"], good.scan["worst_rel"]) == (3, 6, 1.2e-03)
+    assert good.openai == {"/v1/completions": True, "/v1/chat/completions": True}
+    assert good.accept_length == 2.0 and not good.stopped["group_left"]
+    bad = _run("shadow", tmp_path, monkeypatch, rel="9.9e-01")
+    assert not bad.passed and any("worst shadow rel 0.99" in r for r in bad.reasons)
+
+
+def test_serve_needs_the_graph_capture_and_kdtrees_own_lines(tmp_path, monkeypatch):
+    r = _run("serve", tmp_path, monkeypatch)
+    assert r.passed, r.reasons
+    assert r.scan["graph_batch_sizes"] == [1, 2, 3, 4] and r.scan["kdtree_served"] and r.scan["kdtree_graph_replayed"]
+    triton = _run("triton", tmp_path, monkeypatch)  # the baseline: graphs, no kdtree lines, still a pass
+    assert triton.passed and not triton.scan["kdtree_served"]
+    r.scan["kdtree_served"] = False
+    assert "kdtree served no verify step" in check.verdict(r, SETTINGS)
+
+
+def test_capture_files_are_validated_diffed_and_must_be_private(tmp_path, monkeypatch):
+    r = _run("capture", tmp_path, monkeypatch)
+    assert r.passed, r.reasons
+    assert len(r.captures) == 3 and all(c["valid"] and c["mode"] == "0o600" for c in r.captures)
+    assert all(c["passed_vs_capture"] and c["passed_vs_oracle"] and c["impl"] == "model" for c in r.captures)
+    r.captures[0]["mode"] = "0o644"
+    assert any("not 0o600" in why for why in check.verdict(r, SETTINGS))
+
+
+def test_a_server_that_never_answers_fails_its_mode_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", standin_env()["PYTHONPATH"])
+    s = check.CheckSettings(requests=1, startup_timeout=2)
+    r = check.run_mode("shadow", tmp_path, TinySpec(), s, tmp_path, launcher=standin("--never-ready"))
+    assert not r.passed and r.reasons == ["the server was not ready after 2 s"]
+    assert r.stopped["group_left"] is False and r.stopped["port_free"] is True
+
+
+def test_the_command_line_is_sglangs_with_kdtree_and_ngram():
+    s = check.CheckSettings(draft_tokens=64, bfs_breadth=8)
+    argv = check.server_argv(Path("m"), 30000, s, TinySpec(tp=2, context_length=40960), "serve")
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    assert flags["--attention-backend"] == "kdtree" and flags["--speculative-algorithm"] == "NGRAM"
+    assert (flags["--speculative-num-draft-tokens"], flags["--tp"], flags["--context-length"]) == ("64", "2", "40960")
+    assert flags["--host"] == "127.0.0.1" and "--disable-cuda-graph" not in argv
+    assert "--disable-cuda-graph" in check.server_argv(Path("m"), 1, s, TinySpec(), "shadow")
+    serve = check.server_argv(Path("m"), 1, check.CheckSettings(entrypoint="serve"), TinySpec(), "serve")
+    assert serve[3] == "serve" and "sglang.cli.main" in serve[2]
+    env = check.server_env("capture", s, Path("caps"), base={"PATH": "/bin"})
+    assert env["KDTREE_MODE"] == "capture" and env["KDTREE_CAPTURE_DIR"] == "caps" and env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_the_report_is_written_whole_with_every_mode(tmp_path, monkeypatch):
+    monkeypatch.setenv("STANDIN_REL", "1.0e-03")
+    monkeypatch.setenv("PYTHONPATH", standin_env()["PYTHONPATH"])
+    pytest.importorskip("transformers")
+    s = check.CheckSettings(modes=("shadow", "serve"), requests=2, max_new_tokens=4, startup_timeout=30)
+    spec = TinySpec(layers=1, hidden_size=64, context_length=512)
+    report = check.run_check(spec, s, tmp_path / "out", launcher=standin())
+    on_disk = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert on_disk["passed"] is report["passed"] is True and on_disk["complete"]
+    assert list(on_disk["modes"]) == ["shadow", "serve"] and on_disk["sgl_kernel"]["route"] in (
+        "absent",
+        "sgl_kernel",
+        "stand-in",
+    )
+    from kdtree.server.report import format_report
+
+    text = format_report(report)
+    assert "shadow: PASS" in text and "serve: PASS" in text and text.endswith(f"in {report['seconds']:.0f} s")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mode", "fast"], "unknown mode 'fast'"),
+        (["--page-size", "16"], "needs --bfs-breadth 1"),
+        (["--heads", "0"], "heads_per_rank must be at least 1"),
+        (["--entrypoint", "docker"], "--entrypoint"),
+        (["--draft-tokens", "1"], "at least 2"),
+    ],
+)
+def test_bad_options_exit_2_before_anything_runs(args, message, tmp_path):
+    r = CliRunner().invoke(app, ["server-check", "-o", str(tmp_path / "o"), *args])
+    assert r.exit_code == 2 and message in r.output
+    assert not (tmp_path / "o").exists()
