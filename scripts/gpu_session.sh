@@ -86,5 +86,13 @@ for w in "$@"; do
                     --model-dir /tmp/tiny-model ${SERVER_CHECK_ARGS:-}
                   cp /tmp/server-check/*.log /tmp/server-check/report.json "$OUT/" 2>/dev/null
                   [ -d /tmp/server-check/captures ] && tar -cJf "$OUT/captures.tar.xz" -C /tmp/server-check captures ;;
+    server-tests) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1
+                  if [ -f .whl/sgl_kernel312.tar.xz ]; then tar -xJf .whl/sgl_kernel312.tar.xz -C /tmp/site
+                  else export PYTHONPATH="$PWD/tests/sglang_harness/site:$PYTHONPATH" SGLANG_FORCE_FUSED_OP_BACKEND=torch \
+                         SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1; fi
+                  export KDTREE_SERVER_TEST_OUT=/tmp/server-tests
+                  step server-tests "${SERVER_TESTS_LIMIT:-560}" python3 -m pytest -q -rs -s tests/test_server_gpu.py -k "${SERVER_TESTS_K:-}"
+                  (cd /tmp/server-tests && tar -cJf "$OUT/server-tests.tar.xz" --exclude=model --exclude='captures*' \
+                     ./*.log ./*.json ship 2>/dev/null) ;;
   esac
 done

@@ -259,36 +259,46 @@ def run_mode(
     say: Callable[[str], None] = lambda _: None,
     texts: list[str] | None = None,
     launcher: Callable[[int], list[str]] | None = None,
+    name: str | None = None,
+    env: dict | None = None,
+    requests: Callable[[str], list[client.Reply]] | None = None,
 ) -> ModeResult:
-    """One server in `mode`: start, wait, send the prompts, stop, read its log (and its captures). `launcher`
-    (port -> command line) replaces SGLang's command line (tests run a stand-in server)."""
+    """One server in `mode`: start, wait, send the prompts, stop, read its log (and its captures).
+
+    `name` names its log and capture folder (default: the mode); `env` adds to the server's environment;
+    `requests` (the server's URL -> replies) replaces the default traffic; `launcher` (port -> command line)
+    replaces SGLang's command line (tests run a stand-in server)."""
     t0 = time.monotonic()
-    log_path = out_dir / f"{mode}.log"
-    capture_dir = out_dir / "captures"
+    name = name or mode
+    log_path = out_dir / f"{name}.log"
+    capture_dir = out_dir / ("captures" if name == mode else f"captures-{name}")
     if mode == "capture" and capture_dir.exists():
         shutil.rmtree(capture_dir)
     result = ModeResult(mode, log=str(log_path))
     port = free_port()
     texts = texts if texts is not None else client.prompts(s.requests, seed=s.seed, min_chars=s.prompt_chars)
     argv = launcher(port) if launcher is not None else server_argv(model_dir, port, s, spec, mode)
-    server = ServerProcess(argv, port=port, log_path=log_path, env=server_env(mode, s, capture_dir))
+    server = ServerProcess(argv, port=port, log_path=log_path, env=server_env(mode, s, capture_dir) | dict(env or {}))
     try:
         with server:
-            say(f"{mode}: starting the server (port {port})")
+            say(f"{name}: starting the server (port {port})")
             result.ready_after = server.wait_ready(
-                s.startup_timeout, lambda t: say(f"{mode}: waiting for the server ({t:.0f} s)")
+                s.startup_timeout, lambda t: say(f"{name}: waiting for the server ({t:.0f} s)")
             )
-            say(f"{mode}: {len(texts)} greedy requests, {s.concurrency} at a time")
-            replies = client.drive(
-                server.url, texts, concurrency=s.concurrency, max_new_tokens=s.max_new_tokens, timeout=s.request_timeout
-            )
-            result.openai = client.openai_probe(server.url)
-            say(f"{mode}: stopping the server")
+            say(f"{name}: greedy requests")
+            if requests is not None:
+                replies = requests(server.url)
+            else:
+                replies = client.drive(
+                    server.url, texts, concurrency=s.concurrency, max_new_tokens=s.max_new_tokens, timeout=s.request_timeout
+                )
+                result.openai = client.openai_probe(server.url)
+            say(f"{name}: stopping the server")
     except ServerError as e:
         result.reasons.append(str(e))
         replies = []
     result.stopped = server.stopped or {}
-    result.requests = len(texts)
+    result.requests = len(replies) if requests is not None else len(texts)
     result.replies = [r.to_json() for r in replies]
     result.answered = sum(r.ok for r in replies)
     result.completion_tokens = sum(r.completion_tokens for r in replies)

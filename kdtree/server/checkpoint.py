@@ -57,6 +57,9 @@ class TinySpec:
     context_length: int = 4096
     vocab: int = 512  # the tokenizer's target vocabulary (byte-level: at least 256 + specials)
     seed: int = 0
+    # lm_head's initial weights times this: logits spread wide, so a greedy token is decided by a clear margin,
+    # not a near-tie that bf16 rounding in any kernel flips (two correct servers then agree token for token)
+    logit_scale: float = 30.0
 
     def check(self) -> None:
         """Raise ValueError naming the field that cannot make a model SGLang serves."""
@@ -65,6 +68,8 @@ class TinySpec:
                 raise ValueError(f"checkpoint: {name} must be at least 1, got {getattr(self, name)}")
         if self.hidden_size % 64:
             raise ValueError(f"checkpoint: hidden_size must be a multiple of 64, got {self.hidden_size}")
+        if not self.logit_scale > 0:
+            raise ValueError(f"checkpoint: logit_scale must be > 0, got {self.logit_scale}")
         if not 256 + len(SPECIAL_TOKENS) < self.vocab <= 65536:
             raise ValueError(f"checkpoint: vocab must be in {256 + len(SPECIAL_TOKENS) + 1}..65536, got {self.vocab}")
 
@@ -154,7 +159,10 @@ def build_checkpoint(spec: TinySpec, directory: Path) -> Path:
         vocab_size = -(-len(tokenizer) // 64) * 64
         cfg = config_dict(spec, vocab_size)
         torch.manual_seed(spec.seed)
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg)).to(torch.bfloat16)
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg))
+        with torch.no_grad():
+            model.lm_head.weight.mul_(spec.logit_scale)
+        model = model.to(torch.bfloat16)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         saved = json.loads((tmp / "config.json").read_text())

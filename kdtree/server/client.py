@@ -41,6 +41,25 @@ def prompts(count: int, *, seed: int = 0, repeats: int = 3, min_chars: int = 0) 
     return out
 
 
+STEMS = {  # one opening, several continuations: an n-gram trie that branches after the opening
+    "the quick brown": [" fox jumps over the lazy dog", " cat sleeps under the old tree", " bear eats honey all day"],
+    "one two three": [" four five six", " go go go", " and the count stops here"],
+    "the kernel reads": [" the prefix keys first", " the draft nodes last", " the mask row by row"],
+}
+
+
+def branching_prompts(count: int, *, seed: int = 0, repeats: int = 4) -> list[str]:
+    """Prompts in which each opening is followed by different continuations, repeated: NGRAM's trie then holds
+    several children of a node, and its drafts are trees rather than chains."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        parts = [stem + rng.choice(ends) for stem, ends in STEMS.items() for _ in range(repeats)]
+        rng.shuffle(parts)
+        out.append(". ".join(parts) + ". the quick brown")
+    return out
+
+
 @dataclass
 class Reply:
     """One request's outcome: answered or not, what came back, and SGLang's speculative counters."""
@@ -57,9 +76,7 @@ class Reply:
     error: str | None = None
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d.pop("output_ids")
-        return d
+        return asdict(self)
 
 
 def _post(url: str, payload: dict, timeout: float) -> tuple[int, dict]:
@@ -90,6 +107,27 @@ def generate(base_url: str, prompt: str, *, max_new_tokens: int, index: int = 0,
         spec_accept_length=meta.get("spec_accept_length"),
         seconds=time.monotonic() - t0,
     )
+
+
+def cancel_midway(base_url: str, prompt: str, *, max_new_tokens: int, after_chunks: int = 2, timeout: float = 120.0) -> int:
+    """A streamed /generate closed after `after_chunks` chunks (a client that goes away mid-generation); the
+    chunks read."""
+    payload = {
+        "text": prompt,
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
+    req = urllib.request.Request(
+        base_url + "/generate", data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
+    read = 0
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for line in r:
+            if line.startswith(b"data:"):
+                read += 1
+                if read >= after_chunks:
+                    break
+    return read
 
 
 def openai_probe(base_url: str, *, max_tokens: int = 16, timeout: float = 120.0) -> dict[str, bool]:
