@@ -84,8 +84,8 @@ for w in "$@"; do
                   fi
                   step server-check "${SERVER_CHECK_LIMIT:-560}" python3 -m kdtree server-check -o /tmp/server-check \
                     --model-dir /tmp/tiny-model ${SERVER_CHECK_ARGS:-}
-                  cp /tmp/server-check/*.log /tmp/server-check/report.json "$OUT/" 2>/dev/null
-                  [ -d /tmp/server-check/captures ] && tar -cJf "$OUT/captures.tar.xz" -C /tmp/server-check captures ;;
+                  cp /tmp/server-check/report.json "$OUT/" 2>/dev/null  # and the servers' logs and captures in one archive:
+                  tar -cJf "$OUT/server-check.tar.xz" -C /tmp/server-check . 2>/dev/null ;;
     server-tests) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1
                   if [ -f .whl/sgl_kernel312.tar.xz ]; then tar -xJf .whl/sgl_kernel312.tar.xz -C /tmp/site
                   else export PYTHONPATH="$PWD/tests/sglang_harness/site:$PYTHONPATH" SGLANG_FORCE_FUSED_OP_BACKEND=torch \
