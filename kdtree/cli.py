@@ -323,6 +323,16 @@ def bench(
         help="the kdtree backend against SGLang's Triton backend "
         "(eager and CUDA-graph replayed, metadata and host time); needs SGLang",
     ),
+    server: bool = typer.Option(
+        False,
+        "--server",
+        help="real SGLang servers on a tiny checkpoint, kdtree serving against Triton under CUDA graphs: output "
+        "tokens/s and the verify step's time (needs SGLang)",
+    ),
+    prompt_len: Optional[List[int]] = typer.Option(None, "--prompt-len", help="--server: prompt lengths (repeatable)"),
+    batch: Optional[List[int]] = typer.Option(None, "--batch", help="--server: concurrent requests (repeatable)"),
+    draft_tokens: Optional[List[int]] = typer.Option(None, "--draft-tokens", help="--server: NGRAM draft tokens (repeatable)"),
+    heads: Optional[List[int]] = typer.Option(None, "--heads", help="--server: heads per rank of the model (repeatable)"),
 ):
     """Time the kernel against SGLang's Triton kernel and plain torch on the anchor cases, with the
     roofline from ceilings measured in the same run. Needs a CUDA GPU."""
@@ -331,6 +341,12 @@ def bench(
 
     if chain and sglang_backend:
         _fail("--chain and --sglang do not combine: --sglang times the backend on DDTree steps")
+    grid = {"prompt_lens": prompt_len, "batches": batch, "draft_tokens": draft_tokens, "heads": heads}
+    if server:
+        _bench_server(out, {k: tuple(v) for k, v in grid.items() if v})
+        return
+    if any(grid.values()):
+        _fail("--prompt-len, --batch, --draft-tokens and --heads go with --server")
     from kdtree.flashinfer_mla import BACKENDS
 
     if flashinfer_backend is not None and (not chain or flashinfer_backend not in BACKENDS):
@@ -367,6 +383,35 @@ def bench(
     js, png = b.save(result, out)
     typer.echo(b.summary_table(result))
     typer.echo(f"wrote {js} and {png}")
+
+
+def _bench_server(out: Path, grid: dict) -> None:
+    """`kdtree bench --server`: checked before any server starts; the table printed, JSON and PNG in `out`."""
+    import importlib.util
+
+    import torch
+
+    from kdtree.server import bench as sb
+
+    settings = sb.ServerBenchSettings(**grid)
+    try:
+        settings.check()
+    except ValueError as e:
+        _fail(str(e))
+    if importlib.util.find_spec("sglang") is None:
+        _fail("kdtree bench --server needs SGLang (pip install -e '.[sglang]')")
+    if not torch.cuda.is_available():
+        _fail("kdtree bench --server needs a CUDA GPU")
+    from kdtree.server.process import sigterm_as_interrupt
+
+    console = Console(stderr=True)
+    with sigterm_as_interrupt(), console.status("bench --server") as status:
+        result = sb.run(settings, out, say=status.update)
+    typer.echo(sb.format_table(result["pairs"]))
+    from kdtree.plots import server_bench_figure
+
+    server_bench_figure(result["pairs"]).savefig(out / "bench-server.png", dpi=120, bbox_inches="tight")
+    typer.echo(f"wrote {out / 'bench-server.json'} and {out / 'bench-server.png'}")
 
 
 @app.command("server-check")

@@ -118,6 +118,33 @@ NONE, MIXED, ALL = 0, 1, 2  # block states of a downsampled mask: no cell visibl
 MASK_CMAP = ListedColormap(["#f2f2f2", "#f4a261", "#264653"])
 
 
+def server_bench_figure(pairs: list[dict]) -> Figure:
+    """`kdtree bench --server`: one panel per (heads, draft tokens); the verify step's time against the prompt
+    length, kdtree (solid) and Triton (dashed), a colour per batch; its title names the gain in tokens/s."""
+    groups = sorted({(p["heads"], p["draft_tokens"]) for p in pairs})
+    fig = Figure(figsize=(5.2 * max(1, len(groups)), 4.4), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, max(1, len(groups)), squeeze=False)[0])
+    batches = sorted({p["batch"] for p in pairs})
+    colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.85, max(1, len(batches))))
+    for ax, (heads, draft) in zip(axes, groups):
+        rows = [p for p in pairs if (p["heads"], p["draft_tokens"]) == (heads, draft)]
+        for color, b in zip(colors, batches):
+            pts = sorted((p for p in rows if p["batch"] == b), key=lambda p: p["prompt_len"])
+            x = [p["prompt_len"] for p in pts]
+            ax.plot(x, [p["kdtree_step_ms"] for p in pts], "-o", color=color, label=f"batch {b} kdtree")
+            ax.plot(x, [p["triton_step_ms"] for p in pts], "--s", color=color, alpha=0.7, label=f"batch {b} Triton")
+        gains = [p["tokens_per_s_gain"] for p in rows]
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("verify step (ms, wall time over HTTP)")
+        ax.set_title(
+            f"{heads} heads per rank, {draft} draft tokens\ntokens/s kdtree / Triton: {min(gains):.2f}-{max(gains):.2f}x"
+        )
+        ax.grid(alpha=0.3)
+    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    return fig
+
+
 def mask_blocks(mask: np.ndarray, max_rows: int = 1024, max_cols: int = 1024) -> tuple[np.ndarray, int, int]:
     """Downsample a bool [rows, cols] mask to at most max_rows x max_cols blocks without losing an isolated
     cell: a block is ALL, NONE or MIXED (one odd cell makes it MIXED). Returns (blocks, rows per block,

@@ -309,3 +309,49 @@ def test_bad_options_exit_2_before_anything_runs(args, message, tmp_path):
     r = CliRunner().invoke(app, ["server-check", "-o", str(tmp_path / "o"), *args])
     assert r.exit_code == 2 and message in r.output
     assert not (tmp_path / "o").exists()
+
+
+# ----- the server bench's arithmetic ------------------------------------------------------------------------
+def test_server_bench_pairs_kdtree_with_triton_point_by_point():
+    from kdtree.server.bench import format_table, pair_rows
+
+    def row(backend, n, tps, step):
+        return {"heads": 8, "draft_tokens": 16, "backend": backend, "prompt_len": n, "batch": 4,
+                "tokens_per_s": tps, "step_ms": step, "accept_length": 3.0}  # fmt: skip
+
+    rows = [row("serve", 1024, 600.0, 2.0), row("triton", 1024, 300.0, 5.0), row("serve", 8192, 500.0, 2.5)]
+    pairs = pair_rows(rows)
+    assert len(pairs) == 1  # 8192 has no Triton row
+    p = pairs[0]
+    assert (p["prompt_len"], p["tokens_per_s_gain"], p["step_speedup"]) == (1024, 2.0, 2.5)
+    assert "| 8 | 16 | 1024 | 4 | 600 | 300 | 2.00x | 2.00 | 5.00 | 2.50x |" in format_table(pairs)
+    from kdtree.plots import server_bench_figure
+
+    fig = server_bench_figure(pairs)
+    assert fig.axes[0].get_title().endswith("2.00-2.00x")
+
+
+def test_server_bench_settings_size_the_server_for_the_longest_point():
+    from kdtree.server.bench import ServerBenchSettings
+
+    s = ServerBenchSettings(prompt_lens=(1024, 32768), batches=(1, 16), draft_tokens=(64,), heads=(16,))
+    assert s.context_length == 33792 and s.context_length >= 32768 + 128 + 64
+    cs = s.server(64)
+    assert (cs.max_running_requests, cs.cuda_graph_max_bs) == (16, 16) and cs.max_total_tokens >= 16 * (32768 + 128 + 64)
+    assert s.spec(16).heads_per_rank == 16
+    with pytest.raises(ValueError, match="--batch"):
+        ServerBenchSettings(batches=(0,)).check()
+
+
+def test_server_bench_prompts_have_exact_lengths_and_distinct_openings(tiny):
+    from kdtree.server.bench import token_prompts
+
+    ids = token_prompts(tiny, 300, 3)
+    assert [len(x) for x in ids] == [300, 300, 300] and len({tuple(x[:8]) for x in ids}) == 3
+
+
+def test_bench_server_options_are_checked_first(tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--server", "--batch", "0", "-o", str(tmp_path / "b")])
+    assert r.exit_code == 2 and "--batch" in r.output and not (tmp_path / "b").exists()
+    r = CliRunner().invoke(app, ["bench", "--heads", "8"])
+    assert r.exit_code == 2 and "go with --server" in r.output

@@ -85,9 +85,13 @@ def _post(url: str, payload: dict, timeout: float) -> tuple[int, dict]:
         return r.status, json.loads(r.read())
 
 
-def generate(base_url: str, prompt: str, *, max_new_tokens: int, index: int = 0, timeout: float = 300.0) -> Reply:
-    """POST /generate, greedy (temperature 0, EOS ignored so every request decodes `max_new_tokens`)."""
-    payload = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+def generate(base_url: str, prompt: str | list[int], *, max_new_tokens: int, index: int = 0, timeout: float = 300.0) -> Reply:
+    """POST /generate with text or token ids, greedy (temperature 0, EOS ignored so every request decodes
+    `max_new_tokens`)."""
+    payload = {
+        "text" if isinstance(prompt, str) else "input_ids": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
     t0 = time.monotonic()
     try:
         status, body = _post(base_url + "/generate", payload, timeout)
@@ -153,7 +157,9 @@ def openai_probe(base_url: str, *, max_tokens: int = 16, timeout: float = 120.0)
     return out
 
 
-def drive(base_url: str, texts: list[str], *, concurrency: int, max_new_tokens: int, timeout: float = 300.0) -> list[Reply]:
+def drive(
+    base_url: str, texts: list[str] | list[list[int]], *, concurrency: int, max_new_tokens: int, timeout: float = 300.0
+) -> list[Reply]:
     """Send every prompt, `concurrency` at a time; replies in prompt order."""
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         futures = [

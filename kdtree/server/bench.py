@@ -1,0 +1,181 @@
+"""What kdtree buys a server (`kdtree bench --server`): output tokens/s and the verify step's time, kdtree serving
+(`KDTREE_MODE=serve`) against SGLang's Triton backend (`KDTREE_MODE=triton`), both under SGLang's CUDA-graph
+runner, with the same server settings, checkpoint and prompts, in one run.
+
+Per point (prompt length, batch): each of the batch's prompts (distinct token ids of exactly that length) is sent
+once with one new token, which prefills it into the radix cache, then again with `new_tokens`, all at once; the
+second round's wall time is decode: tokens/s = tokens decoded / that time, the verify step's time = that time /
+the most verify steps any of its requests took. Timed over HTTP on loopback: the step time includes SGLang's
+scheduling and the NGRAM drafter, as a user's server does.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from kdtree.server import client
+from kdtree.server.check import CheckSettings, run_mode, write_json
+from kdtree.server.checkpoint import TinySpec, build_checkpoint
+
+BACKENDS = ("serve", "triton")  # kdtree serving, SGLang's Triton backend
+OPTIONS = {"prompt_lens": "--prompt-len", "batches": "--batch", "draft_tokens": "--draft-tokens", "heads": "--heads"}
+
+
+@dataclass(frozen=True)
+class ServerBenchSettings:
+    prompt_lens: tuple[int, ...] = (1024, 8192, 32768)
+    batches: tuple[int, ...] = (1, 4, 16)
+    draft_tokens: tuple[int, ...] = (16, 64)
+    heads: tuple[int, ...] = (8, 16)  # per rank: Kimi K2.x at TP8, DeepSeek-V3 at TP8
+    new_tokens: int = 128
+    layers: int = 4
+    hidden_size: int = 256
+
+    def check(self) -> None:
+        for name, option in OPTIONS.items():
+            values = getattr(self, name)
+            if not values or min(values) < 1:
+                raise ValueError(f"{option}: at least one value, each at least 1 (got {list(values)})")
+        if min(self.draft_tokens) < 2 or self.new_tokens < 1:
+            raise ValueError("draft tokens must be at least 2 and new tokens at least 1")
+
+    @property
+    def context_length(self) -> int:
+        """Room for the longest prompt, its decode and a draft, rounded up to 1024."""
+        need = max(self.prompt_lens) + self.new_tokens + max(self.draft_tokens) + 64
+        return -(-need // 1024) * 1024
+
+    def spec(self, heads: int) -> TinySpec:
+        return TinySpec(
+            heads_per_rank=heads, layers=self.layers, hidden_size=self.hidden_size, context_length=self.context_length
+        )
+
+    def server(self, draft: int) -> CheckSettings:
+        """The server settings both backends get (graphs for every batch size measured)."""
+        bs = max(self.batches)
+        tokens = bs * (max(self.prompt_lens) + self.new_tokens + 2 * draft) + 4096
+        return CheckSettings(
+            draft_tokens=draft,
+            bfs_breadth=4,
+            max_running_requests=bs,
+            cuda_graph_max_bs=bs,
+            max_total_tokens=tokens,
+            mem_fraction_static=0.3,
+            startup_timeout=600,
+            request_timeout=900,
+        )
+
+
+def token_prompts(model_dir: Path, length: int, count: int, *, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of exactly `length` token ids each, distinct from the first token on (no shared radix
+    prefix between requests), repetitive within (NGRAM drafts from them)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    body = tok.encode(" ".join(client.prompts(6, seed=seed)))
+    out = []
+    for i in range(count):
+        ids = tok.encode(f"request {seed}-{i}: ") + body * (length // len(body) + 1)
+        out.append(ids[:length])
+    return out
+
+
+def measure(url: str, prompts: list[list[int]], new_tokens: int, timeout: float) -> dict:
+    """One point: prefill every prompt (one token each), then decode `new_tokens` for all at once."""
+    warm = client.drive(url, prompts, concurrency=len(prompts), max_new_tokens=1, timeout=timeout)
+    t0 = time.perf_counter()
+    replies = client.drive(url, prompts, concurrency=len(prompts), max_new_tokens=new_tokens, timeout=timeout)
+    seconds = time.perf_counter() - t0
+    tokens = sum(r.completion_tokens for r in replies)
+    steps = max((r.spec_verify_ct for r in replies), default=0)
+    verify = sum(r.spec_verify_ct for r in replies)
+    return {
+        "answered": sum(r.ok for r in replies + warm),
+        "requests": len(replies) + len(warm),
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds if seconds > 0 else math.nan,
+        "verify_steps": steps,
+        "step_ms": 1e3 * seconds / steps if steps else math.nan,
+        "accept_length": tokens / verify if verify else math.nan,
+    }
+
+
+def pair_rows(rows: list[dict]) -> list[dict]:
+    """kdtree's and Triton's rows of the same point side by side, with kdtree's gain in tokens/s and step time."""
+    key = lambda r: (r["heads"], r["draft_tokens"], r["prompt_len"], r["batch"])  # noqa: E731
+    by = {(key(r), r["backend"]): r for r in rows}
+    out = []
+    for k in sorted({key(r) for r in rows}):
+        k_row, t_row = by.get((k, "serve")), by.get((k, "triton"))
+        if k_row is None or t_row is None:
+            continue
+        out.append(
+            dict(zip(("heads", "draft_tokens", "prompt_len", "batch"), k))
+            | {
+                "kdtree_tokens_per_s": k_row["tokens_per_s"],
+                "triton_tokens_per_s": t_row["tokens_per_s"],
+                "tokens_per_s_gain": k_row["tokens_per_s"] / t_row["tokens_per_s"],
+                "kdtree_step_ms": k_row["step_ms"],
+                "triton_step_ms": t_row["step_ms"],
+                "step_speedup": t_row["step_ms"] / k_row["step_ms"],
+                "kdtree_accept": k_row["accept_length"],
+                "triton_accept": t_row["accept_length"],
+            }
+        )
+    return out
+
+
+def format_table(pairs: list[dict]) -> str:
+    """The pairs as a markdown table."""
+    head = (
+        "| heads | draft | prompt | batch | kdtree tok/s | Triton tok/s | x | kdtree step ms | Triton step ms | x | accept k / T |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [
+        f"| {p['heads']} | {p['draft_tokens']} | {p['prompt_len']} | {p['batch']} | {p['kdtree_tokens_per_s']:.0f} | "
+        f"{p['triton_tokens_per_s']:.0f} | {p['tokens_per_s_gain']:.2f}x | {p['kdtree_step_ms']:.2f} | {p['triton_step_ms']:.2f} | "
+        f"{p['step_speedup']:.2f}x | {p['kdtree_accept']:.2f} / {p['triton_accept']:.2f} |"
+        for p in pairs
+    ]
+    return "\n".join([head, *lines])
+
+
+def run(
+    s: ServerBenchSettings, out_dir: Path, *, say: Callable[[str], None] = lambda _: None, model_root: Path | None = None
+) -> dict:
+    """Every (heads, draft tokens) server, kdtree then Triton, every point on each; the result is written to
+    `out_dir/bench-server.json` after each server."""
+    s.check()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"settings": asdict(s), "rows": [], "servers": [], "pairs": []}
+    for heads in s.heads:
+        spec = s.spec(heads)
+        model = build_checkpoint(spec, (model_root or out_dir) / f"model-h{heads}-c{spec.context_length}")
+        prompts = {(n, b): token_prompts(model, n, b, seed=n + b) for n in s.prompt_lens for b in s.batches}
+        for draft in s.draft_tokens:
+            cs = s.server(draft)
+            for backend in BACKENDS:
+                rows = []
+
+                def traffic(url, heads=heads, draft=draft, backend=backend, rows=rows):
+                    replies = []
+                    for (n, b), ids in prompts.items():
+                        say(f"{backend} h{heads} n{draft}: prompt {n}, batch {b}")
+                        m = measure(url, ids, s.new_tokens, cs.request_timeout)
+                        rows.append({"heads": heads, "draft_tokens": draft, "backend": backend, "prompt_len": n, "batch": b} | m)
+                    return replies
+
+                name = f"bench-{backend}-h{heads}-n{draft}"
+                r = run_mode(backend, model, spec, replace(cs, modes=(backend,)), out_dir, name=name, requests=traffic, say=say)
+                result["rows"] += rows
+                result["servers"].append(
+                    {"name": name, "log": r.log, "ready_after": r.ready_after, "scan": r.scan, "reasons": r.reasons}
+                )
+                result["pairs"] = pair_rows(result["rows"])
+                write_json(out_dir / "bench-server.json", result)
+    return result
