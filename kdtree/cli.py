@@ -423,7 +423,7 @@ def server_check(
         None, "--mode", help="shadow, serve, capture (default: all three), triton (a baseline; repeatable)"
     ),
     heads: int = typer.Option(8, help="attention heads per TP rank (Kimi K2.x at TP8: 8; DeepSeek-V3 at TP8: 16)"),
-    tp: int = typer.Option(1, help="tensor-parallel size (--tp of the server)"),
+    tp: int = typer.Option(1, help="tensor-parallel size (--tp-size of the server)"),
     layers: int = typer.Option(2, help="layers of the tiny model"),
     hidden_size: int = typer.Option(256, help="hidden size of the tiny model"),
     context_length: int = typer.Option(4096, help="the model's and the server's context length"),

@@ -266,7 +266,7 @@ def test_the_command_line_is_sglangs_with_kdtree_and_ngram():
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     flags = dict(zip(argv[3::2], argv[4::2]))
     assert flags["--attention-backend"] == "kdtree" and flags["--speculative-algorithm"] == "NGRAM"
-    assert (flags["--speculative-num-draft-tokens"], flags["--tp"], flags["--context-length"]) == ("64", "2", "40960")
+    assert (flags["--speculative-num-draft-tokens"], flags["--tp-size"], flags["--context-length"]) == ("64", "2", "40960")
     assert flags["--host"] == "127.0.0.1" and "--disable-cuda-graph" not in argv
     assert "--disable-cuda-graph" in check.server_argv(Path("m"), 1, s, TinySpec(), "shadow")
     serve = check.server_argv(Path("m"), 1, check.CheckSettings(entrypoint="serve"), TinySpec(), "serve")

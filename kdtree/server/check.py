@@ -92,7 +92,7 @@ def server_argv(model_dir: Path, port: int, s: CheckSettings, spec: TinySpec, mo
         "--model-path", str(model_dir),
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--tp", str(spec.tp),
+        "--tp-size", str(spec.tp),
         "--attention-backend", "kdtree",
         "--speculative-algorithm", "NGRAM",
         "--speculative-num-draft-tokens", str(s.draft_tokens),

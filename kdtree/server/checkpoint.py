@@ -59,7 +59,7 @@ class TinySpec:
     seed: int = 0
     # lm_head's initial weights times this: logits spread wide, so a greedy token is decided by a clear margin,
     # not a near-tie that bf16 rounding in any kernel flips (two correct servers then agree token for token)
-    logit_scale: float = 30.0
+    logit_scale: float = 100.0
 
     def check(self) -> None:
         """Raise ValueError naming the field that cannot make a model SGLang serves."""
