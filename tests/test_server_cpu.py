@@ -355,3 +355,14 @@ def test_bench_server_options_are_checked_first(tmp_path):
     assert r.exit_code == 2 and "--batch" in r.output and not (tmp_path / "b").exists()
     r = CliRunner().invoke(app, ["bench", "--heads", "8"])
     assert r.exit_code == 2 and "go with --server" in r.output
+
+
+def test_replies_sent_in_parts_keep_their_place_in_the_whole_list(tmp_path):
+    with _server(tmp_path) as server:
+        server.wait_ready(30)
+        from kdtree.server import client
+
+        parts = client.drive(server.url, ["a", "b"], concurrency=2, max_new_tokens=2) + client.drive(
+            server.url, ["c"], concurrency=1, max_new_tokens=2, first_index=2
+        )
+    assert [r.prompt_index for r in parts] == [0, 1, 2] and all(r.ok for r in parts)

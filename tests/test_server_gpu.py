@@ -62,7 +62,7 @@ def waves(base_url: str, texts: list[str], widths: tuple[int, ...], max_new_toke
     while i < len(texts):
         for w in widths:
             chunk = texts[i : i + w]
-            replies += client.drive(base_url, chunk, concurrency=w, max_new_tokens=max_new_tokens)
+            replies += client.drive(base_url, chunk, concurrency=w, max_new_tokens=max_new_tokens, first_index=i)
             i += w
             if i >= len(texts):
                 break
@@ -119,6 +119,7 @@ def test_serve_under_cuda_graphs_agrees_with_triton(model, out):
     assert served.passed, served.reasons  # kdtree served, its graphs replayed, no fallback
     a = {x["prompt_index"]: x for x in served.replies}
     b = {x["prompt_index"]: x for x in triton.replies}
+    assert sorted(a) == sorted(b) == list(range(len(texts)))
     same = sum(x == y for i in a for x, y in zip(a[i]["output_ids"], b[i]["output_ids"]))
     total = sum(len(b[i]["output_ids"]) for i in b)
     agreement = same / total

@@ -158,12 +158,19 @@ def openai_probe(base_url: str, *, max_tokens: int = 16, timeout: float = 120.0)
 
 
 def drive(
-    base_url: str, texts: list[str] | list[list[int]], *, concurrency: int, max_new_tokens: int, timeout: float = 300.0
+    base_url: str,
+    texts: list[str] | list[list[int]],
+    *,
+    concurrency: int,
+    max_new_tokens: int,
+    timeout: float = 300.0,
+    first_index: int = 0,
 ) -> list[Reply]:
-    """Send every prompt, `concurrency` at a time; replies in prompt order."""
+    """Send every prompt, `concurrency` at a time; replies in prompt order, `prompt_index` counted from
+    `first_index` (the prompts' place in a longer list sent in parts)."""
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         futures = [
-            pool.submit(generate, base_url, t, max_new_tokens=max_new_tokens, index=i, timeout=timeout)
+            pool.submit(generate, base_url, t, max_new_tokens=max_new_tokens, index=first_index + i, timeout=timeout)
             for i, t in enumerate(texts)
         ]
         return [f.result() for f in futures]
