@@ -267,8 +267,10 @@ def test_the_command_line_is_sglangs_with_kdtree_and_ngram():
     flags = dict(zip(argv[3::2], argv[4::2]))
     assert flags["--attention-backend"] == "kdtree" and flags["--speculative-algorithm"] == "NGRAM"
     assert (flags["--speculative-num-draft-tokens"], flags["--tp-size"], flags["--context-length"]) == ("64", "2", "40960")
-    assert flags["--host"] == "127.0.0.1" and "--disable-cuda-graph" not in argv
-    assert "--disable-cuda-graph" in check.server_argv(Path("m"), 1, s, TinySpec(), "shadow")
+    assert flags["--host"] == "127.0.0.1" and flags["--cuda-graph-max-bs-decode"] == "4"
+    assert "--cuda-graph-backend-decode" not in argv  # serve: SGLang's target-verify graphs
+    eager = check.server_argv(Path("m"), 1, s, TinySpec(), "shadow")
+    assert eager[eager.index("--cuda-graph-backend-decode") + 1] == "disabled"
     serve = check.server_argv(Path("m"), 1, check.CheckSettings(entrypoint="serve"), TinySpec(), "serve")
     assert serve[3] == "serve" and "sglang.cli.main" in serve[2]
     env = check.server_env("capture", s, Path("caps"), base={"PATH": "/bin"})

@@ -107,10 +107,13 @@ def server_argv(model_dir: Path, port: int, s: CheckSettings, spec: TinySpec, mo
         "--log-level", "info",
         "--random-seed", str(s.seed),
     ]  # fmt: skip
-    if graphs:  # SGLang's runner captures target verify; prefill graphs are not what this checks
-        argv += ["--cuda-graph-backend-prefill", "disabled", "--cuda-graph-max-bs-decode", str(s.cuda_graph_max_bs)]
+    # prefill graphs are not what this checks; decode graphs are SGLang's target-verify runner (0.5.23 deprecates
+    # --disable-cuda-graph for these per-phase switches)
+    argv += ["--cuda-graph-backend-prefill", "disabled"]
+    if graphs:
+        argv += ["--cuda-graph-max-bs-decode", str(s.cuda_graph_max_bs)]
     else:
-        argv += ["--disable-cuda-graph"]
+        argv += ["--cuda-graph-backend-decode", "disabled"]
     return argv + list(s.extra_args)
 
 

@@ -335,7 +335,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
         if layer.logit_cap and layer.logit_capping_method != "tanh":
             return f"logit capping method {layer.logit_capping_method!r}"
         if self.settings.mode != "serve" and torch.cuda.is_current_stream_capturing():
-            return f"CUDA-graph capture in {self.settings.mode} mode (it reads results back; run it with --disable-cuda-graph)"
+            return f"CUDA-graph capture in {self.settings.mode} mode (it reads results back; run it with --cuda-graph-backend-decode disabled)"
         if forward_batch.out_cache_loc.numel() != q.shape[0]:
             return "a verify batch whose token count is not batch x draft tokens"
         if not self._owned and self.forward_metadata.qo_indptr is None:
