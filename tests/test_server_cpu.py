@@ -368,3 +368,60 @@ def test_replies_sent_in_parts_keep_their_place_in_the_whole_list(tmp_path):
             server.url, ["c"], concurrency=1, max_new_tokens=2, first_index=2
         )
     assert [r.prompt_index for r in parts] == [0, 1, 2] and all(r.ok for r in parts)
+
+
+def test_a_profile_finds_attentions_share_and_what_the_gpu_does_not_account_for(tmp_path):
+    import gzip
+
+    from kdtree.server import profile
+
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "_fwd_kernel", "dur": 6000.0},  # Triton's extend attention, 2 steps
+        {"ph": "X", "cat": "kernel", "name": "verify_mla_fwd<64>", "dur": 1000.0},
+        {"ph": "X", "cat": "kernel", "name": "ampere_bf16_gemm", "dur": 3000.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 9999.0},  # host ops are not GPU time
+    ]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    p = profile.step_profile(profile.load_trace(path), steps=2, wall_ms_per_step=10.0)
+    assert p["gpu_ms_per_step"] == 5.0 and p["attention_ms_per_step"] == 3.5
+    assert p["attention_share_of_gpu"] == 0.7 and p["attention_share_of_wall"] == 0.35 and p["not_on_gpu_ms_per_step"] == 5.0
+    assert [k["attention"] for k in p["top_kernels"]] == [True, False, True]
+    assert profile.amdahl(0.5, 4.0) == pytest.approx(1.6) and profile.amdahl(0.0, 9.0) == 1.0
+    with pytest.raises(ValueError):
+        profile.amdahl(1.5, 2.0)
+
+
+def test_the_bench_profiles_the_longest_prompt_at_small_batches_unless_told():
+    from kdtree.server.bench import ServerBenchSettings
+
+    assert ServerBenchSettings().profiled == {(32768, 1), (32768, 4)}
+    assert ServerBenchSettings(batches=(16,)).profiled == {(32768, 16)}
+    assert ServerBenchSettings(profile_points=((1024, 1),)).profiled == {(1024, 1)}
+
+
+def test_profiled_pairs_say_where_the_time_goes():
+    from kdtree.server.bench import pair_rows
+
+    prof = {
+        "serve": {"attention_ms_per_step": 1.0, "not_on_gpu_ms_per_step": 2.0, "attention_share_of_wall": 0.2},
+        "triton": {"attention_ms_per_step": 8.0, "not_on_gpu_ms_per_step": 2.5, "attention_share_of_wall": 0.8},
+    }
+    rows = [
+        {
+            "heads": 8,
+            "draft_tokens": 16,
+            "backend": b,
+            "prompt_len": 32768,
+            "batch": 1,
+            "tokens_per_s": 1.0,
+            "step_ms": 1.0,
+            "accept_length": 3.0,
+            "profile": prof[b],
+        }  # fmt: skip
+        for b in ("serve", "triton")
+    ]
+    (p,) = pair_rows(rows)
+    assert (p["triton_attention_share"], p["attention_speedup"], p["triton_not_on_gpu_ms"]) == (0.8, 8.0, 2.5)
+    assert p["amdahl_step_speedup"] == pytest.approx(1 / (0.2 + 0.1))

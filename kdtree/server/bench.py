@@ -34,6 +34,15 @@ class ServerBenchSettings:
     new_tokens: int = 128
     layers: int = 4
     hidden_size: int = 256
+    # points (prompt length, batch) timed once more under SGLang's profiler, where a step's time goes; None: the
+    # longest prompt at each batch up to 4
+    profile_points: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def profiled(self) -> set[tuple[int, int]]:
+        if self.profile_points is not None:
+            return set(self.profile_points)
+        return {(max(self.prompt_lens), b) for b in self.batches if b <= 4} or {(max(self.prompt_lens), min(self.batches))}
 
     def check(self) -> None:
         for name, option in OPTIONS.items():
@@ -105,6 +114,25 @@ def measure(url: str, prompts: list[list[int]], new_tokens: int, timeout: float)
     }
 
 
+def profile_point(url: str, prompts: list[list[int]], new_tokens: int, trace_dir: Path) -> dict | None:
+    """The point's decode once more under SGLang's profiler: the step's GPU time, attention's share, and what the
+    GPU does not account for (`kdtree.server.profile`)."""
+    from kdtree.server import profile
+
+    replies: list[client.Reply] = []
+    t0 = time.perf_counter()
+
+    def run():
+        replies.extend(client.drive(url, prompts, concurrency=len(prompts), max_new_tokens=new_tokens))
+
+    trace = profile.profiled(url, trace_dir, run)
+    seconds = time.perf_counter() - t0
+    steps = max((r.spec_verify_ct for r in replies), default=0)
+    if trace is None or steps < 1:
+        return None
+    return profile.step_profile(profile.load_trace(trace), steps, 1e3 * seconds / steps) | {"trace": str(trace)}
+
+
 def pair_rows(rows: list[dict]) -> list[dict]:
     """kdtree's and Triton's rows of the same point side by side, with kdtree's gain in tokens/s and step time."""
     key = lambda r: (r["heads"], r["draft_tokens"], r["prompt_len"], r["batch"])  # noqa: E731
@@ -126,8 +154,28 @@ def pair_rows(rows: list[dict]) -> list[dict]:
                 "kdtree_accept": k_row["accept_length"],
                 "triton_accept": t_row["accept_length"],
             }
+            | _where_time_goes(k_row.get("profile"), t_row.get("profile"))
         )
     return out
+
+
+def _where_time_goes(kdtree_profile: dict | None, triton_profile: dict | None) -> dict:
+    """For a profiled point: attention's share of Triton's step, the attention speedup inside the server, and
+    what Amdahl's law makes of them (the projection is arithmetic)."""
+    if not kdtree_profile or not triton_profile:
+        return {}
+    from kdtree.server.profile import amdahl
+
+    share = triton_profile.get("attention_share_of_wall")
+    k_att, t_att = kdtree_profile["attention_ms_per_step"], triton_profile["attention_ms_per_step"]
+    speedup = t_att / k_att if k_att > 0 else None
+    return {
+        "triton_attention_share": share,
+        "attention_speedup": speedup,
+        "triton_not_on_gpu_ms": triton_profile.get("not_on_gpu_ms_per_step"),
+        "kdtree_not_on_gpu_ms": kdtree_profile.get("not_on_gpu_ms_per_step"),
+        "amdahl_step_speedup": amdahl(share, speedup) if share is not None and speedup else None,
+    }
 
 
 def format_table(pairs: list[dict]) -> str:
@@ -163,12 +211,16 @@ def run(
                 rows = []
 
                 def traffic(url, heads=heads, draft=draft, backend=backend, rows=rows):
-                    replies = []
                     for (n, b), ids in prompts.items():
                         say(f"{backend} h{heads} n{draft}: prompt {n}, batch {b}")
                         m = measure(url, ids, s.new_tokens, cs.request_timeout)
+                        if (n, b) in s.profiled:
+                            say(f"{backend} h{heads} n{draft}: prompt {n}, batch {b}, profiled")
+                            m["profile"] = profile_point(
+                                url, ids, s.new_tokens, out_dir / "traces" / f"{backend}-h{heads}-n{draft}-{n}x{b}"
+                            )
                         rows.append({"heads": heads, "draft_tokens": draft, "backend": backend, "prompt_len": n, "batch": b} | m)
-                    return replies
+                    return []
 
                 name = f"bench-{backend}-h{heads}-n{draft}"
                 r = run_mode(backend, model, spec, replace(cs, modes=(backend,)), out_dir, name=name, requests=traffic, say=say)
