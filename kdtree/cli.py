@@ -54,6 +54,20 @@ def _int_list(text: str, what: str) -> list[int]:
     return values
 
 
+def _capture_paths(paths: List[Path]) -> list[Path]:
+    """Files as given; a directory stands for the capture files (*.safetensors) in it."""
+    out = []
+    for p in paths:
+        if p.is_dir():
+            found = sorted(p.glob("*.safetensors"))
+            if not found:
+                raise ValueError(f"{p}: a directory with no capture files (*.safetensors)")
+            out += found
+        else:
+            out.append(p)
+    return out
+
+
 def _progress(total: int, label: str) -> Progress:
     """A progress bar on stderr, only when it is a terminal; plain prints go above it."""
     p = Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty() or total < 2)
@@ -64,13 +78,13 @@ def _progress(total: int, label: str) -> Progress:
 @app.command()
 @bad_input_exits_2
 def info(
-    captures: List[Path] = typer.Argument(..., help="capture files (.safetensors)"),
+    captures: List[Path] = typer.Argument(..., help="capture files (.safetensors), or directories of them"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
 ):
     """Validate captures and summarise them: batch, prefix lengths, N, heads, tree shape, pool fragmentation."""
     from kdtree.info import format_summary, summarize
 
-    summaries = [summarize(load(p)) for p in captures]
+    summaries = [summarize(load(p)) for p in _capture_paths(captures)]
     if as_json:
         typer.echo(json.dumps(summaries, indent=1))
     else:
@@ -125,7 +139,7 @@ def synth(
 @app.command()
 @bad_input_exits_2
 def diff(
-    captures: List[Path] = typer.Argument(..., help="capture files (.safetensors)"),
+    captures: List[Path] = typer.Argument(..., help="capture files (.safetensors), or directories of them"),
     impl: Optional[str] = typer.Option(
         None, help="implementation under test: model (default without a GPU), emulation, oracle, capture"
     ),
@@ -156,7 +170,7 @@ def diff(
         raise ValueError(f"--inject: unknown fault {inject!r}; expected one of {', '.join(FAULTS)}")
     if not tol > 0:
         raise ValueError(f"--tol must be > 0, got {tol}")
-    loaded = [load(p) for p in captures]  # validate every capture before running anything
+    loaded = [load(p) for p in _capture_paths(captures)]  # validate every capture before running anything
     for cap in loaded:
         for lid in layer or []:
             if lid not in cap.meta.layer_ids:
@@ -249,7 +263,7 @@ def compile_(
 @app.command("plan")
 @bad_input_exits_2
 def plan_(
-    captures: Optional[List[Path]] = typer.Argument(None, help="capture files (.safetensors)"),
+    captures: Optional[List[Path]] = typer.Argument(None, help="capture files (.safetensors), or directories of them"),
     case: Optional[List[str]] = typer.Option(None, help="bench cases whose name contains this (repeatable)"),
     target: str = typer.Option("sm_90", help="plan with this target's candidates: sm_90 (Hopper), sm_120, ..."),
     sms: int = typer.Option(132, help="SMs of the GPU planned for (H200 132, RTX PRO 6000 188)"),
@@ -271,7 +285,7 @@ def plan_(
         raise ValueError(f"--sms must be at least 1 and --l2-mib finite and not negative (got {sms}, {l2_mib})")
     if not captures and not case:
         raise ValueError("give capture files, or --case with a bench case's name")
-    batches = [(str(p), load(p)) for p in captures or []]
+    batches = [(str(p), load(p)) for p in _capture_paths(captures or [])]
     if case:
         from kdtree import bench as b
         from kdtree.synth import synthesize

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import matplotlib
+import matplotlib.ticker
 import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
@@ -165,18 +166,25 @@ def mask_figure(
     rows: np.ndarray,
     prefix_len: int,
     *,
+    first_col: int = 0,
+    stride: int | None = None,
     title: str = "",
     zoom: tuple[int, int, int, int] | None = None,
     selected: int | None = None,
     max_cells: int = 1024,
 ) -> Figure:
-    """The custom mask of one request as SGLang lays it out, [N, prefix_len + N]: prefix columns then draft
-    columns. `zoom` = (row0, row1, col0, col1) crops first; `selected` outlines one node's row."""
+    """One request's custom mask as SGLang lays it out: N rows (draft nodes) of prefix_len + N key columns,
+    prefix columns then draft columns. `rows` holds columns `first_col ..` of those rows (the draft block:
+    `first_col = prefix_len`), and the axes count in the whole row's columns, so every label states the real
+    layout. `stride` names the row stride the rows were read at when it is not prefix_len + N (a faulted
+    marshaling). `zoom` = (row0, row1, col0, col1), in those columns, crops first; `selected` outlines one node."""
     rows = np.asarray(rows, dtype=bool)
-    r0, r1, c0, c1 = zoom if zoom is not None else (0, rows.shape[0], 0, rows.shape[1])
-    view = rows[r0:r1, c0:c1]
+    n = rows.shape[0]
+    true_stride = prefix_len + n
+    r0, r1, c0, c1 = zoom if zoom is not None else (0, n, first_col, first_col + rows.shape[1])
+    view = rows[r0:r1, c0 - first_col : c1 - first_col]
     blocks, fr, fc = mask_blocks(view, max_cells, max_cells)
-    fig = Figure(figsize=(9, 3.8))
+    fig = Figure(figsize=(10, 4.2), layout="constrained")
     ax = fig.subplots()
     ax.imshow(
         blocks,
@@ -188,15 +196,50 @@ def mask_figure(
         extent=(c0 - 0.5, c0 + blocks.shape[1] * fc - 0.5, r0 + blocks.shape[0] * fr - 0.5, r0 - 0.5),
     )
     if c0 <= prefix_len <= c1:
-        ax.axvline(prefix_len - 0.5, color="#e76f51", lw=1.5, label=f"draft columns start (prefix_len = {prefix_len})")
+        ax.axvline(prefix_len - 0.5, color="#e76f51", lw=1.5, label=f"draft columns start at prefix_len = {prefix_len}")
     if selected is not None and r0 <= selected < r1:
         ax.axhspan(selected - 0.5, selected + 0.5, fill=False, ec="#e63946", lw=1.5, label=f"node {selected}")
-    ax.set_xlabel(f"key column (row stride prefix_len + N = {rows.shape[1]})" + (f", {fc} per pixel" if fc > 1 else ""))
-    ax.set_ylabel("draft node (row)" + (f", {fr} per pixel" if fr > 1 else ""))
+    if stride is not None and stride != true_stride:
+        layout = f"rows read at stride {stride}, not prefix_len + N = {prefix_len} + {n} = {true_stride}"
+    else:
+        layout = f"row stride prefix_len + N = {prefix_len} + {n} = {true_stride}"
+    ax.set_xlabel(f"key column ({layout})" + (f"; {fc} columns a pixel" if fc > 1 else ""))
+    ax.set_ylabel("draft node (row)" + (f"; {fr} a pixel" if fr > 1 else ""))
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_title(title or "custom mask")
     handles = [Patch(color=MASK_CMAP(i), label=lab) for i, lab in ((ALL, "visible"), (MIXED, "mixed block"), (NONE, "hidden"))]
-    ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=7, loc="lower left")
-    fig.tight_layout()
+    ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def mask_fault_figure(correct: np.ndarray, faulted: np.ndarray, prefix_len: int, stride_used: int) -> Figure:
+    """A request's draft block as the kernel must read it (rows at stride prefix_len + N) beside the same block
+    read at `stride_used`, with every cell the fault flips marked."""
+    correct, faulted = np.asarray(correct, dtype=bool), np.asarray(faulted, dtype=bool)
+    n = correct.shape[0]
+    flipped = correct != faulted
+    fig = Figure(figsize=(12, 5.2), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    cols = np.arange(prefix_len, prefix_len + n)
+    titles = (
+        f"correct: rows at stride prefix_len + N = {prefix_len} + {n} = {prefix_len + n}",
+        f"faulted: rows at stride {stride_used}; {int(flipped.sum())} of {flipped.size} cells flipped",
+    )
+    for ax, block, t in zip(axes, (correct, faulted), titles):
+        ax.imshow(np.where(block, ALL, NONE), cmap=MASK_CMAP, vmin=0, vmax=2, interpolation="nearest",
+                  extent=(cols[0] - 0.5, cols[-1] + 0.5, n - 0.5, -0.5))  # fmt: skip
+        ax.set_title(t, fontsize=10)
+        ax.set_xlabel("key column (the draft columns of each row)")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ys, xs = np.nonzero(flipped)
+    axes[1].scatter(cols[0] + xs, ys, marker="x", s=max(4, 900 / n), color="#e63946", lw=1, label="flipped cell")
+    axes[0].set_ylabel("draft node (row)")
+    axes[0].yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    handles = [Patch(color=MASK_CMAP(ALL), label="visible"), Patch(color=MASK_CMAP(NONE), label="hidden")]
+    axes[1].legend(
+        handles=handles + axes[1].get_legend_handles_labels()[0], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0)
+    )
     return fig
 
 
@@ -250,9 +293,12 @@ def tree_figure(parents: np.ndarray, *, selected: int | None = None, title: str 
         ax.scatter(x[[selected]], y[[selected]], s=90, facecolors="none", edgecolors="#e63946", lw=2, zorder=4)
     ax.invert_yaxis()
     ax.set_ylabel("depth")
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # depths are whole
     ax.set_xticks([])
     ax.set_title(title or f"draft tree: {len(parents)} nodes, depth {int(y.max())}")
-    fig.colorbar(sc, ax=ax, label="depth", fraction=0.03)
+    cb = fig.colorbar(sc, ax=ax, label="depth", fraction=0.03)
+    cb.locator = matplotlib.ticker.MaxNLocator(integer=True)
+    cb.update_ticks()
     fig.tight_layout()
     return fig
 

@@ -25,6 +25,7 @@ class ExplorerState:
     view: str = "draft block"
     renders: int = 0
     checks: list[str] = field(default_factory=list)
+    note: str = ""  # e.g. the node slider clamped to a smaller tree
 
 
 def request_checks(cap: Capture) -> list[str]:
@@ -75,14 +76,29 @@ class DDTreeExplorer:
     def render(self) -> None:
         cap, b = self._cap, self.request.value
         n = int(cap.num_draft[b])
+        note = ""
         if self.node.max != n - 1:
+            wanted = self.node.value
             with self.node.hold_trait_notifications():
                 self.node.max = n - 1
                 self.node.value = min(self.node.value, n - 1)
+            if self.node.value != wanted:
+                note = f"node {wanted} is past this request's N = {n}: showing node {self.node.value}"
         node, p = self.node.value, int(cap.prefix_lens[b])
         if self.view.value == "draft block":
             rows = cap.tree_block(b).numpy()
-            mask = plots.mask_figure(rows, 0, selected=node, title=f"request {b}: draft block, one cell per node")
+            # zoom: a window of N / zoom nodes around the selected one, in both directions
+            w = min(n, max(2, -(-n // int(self.zoom.value))))
+            lo = min(max(0, node - w // 2), n - w)
+            hi = lo + w
+            mask = plots.mask_figure(
+                rows,
+                p,
+                first_col=p,
+                selected=node,
+                zoom=(lo, hi, p + lo, p + hi),
+                title=f"request {b}: the draft block, columns prefix_len .. prefix_len + N - 1 of its mask rows",
+            )
         else:
             rows = cap.mask_rows(b).numpy()
             width = rows.shape[1]
@@ -93,8 +109,8 @@ class DDTreeExplorer:
         tree = plots.tree_figure(
             cap.parents(b), selected=node, title=f"request {b}: node {node} at depth {int(cap.depths(b)[node])}"
         )
-        self.state = ExplorerState(self.capture.value, b, node, self.view.value, self.state.renders + 1, self.state.checks)
+        self.state = ExplorerState(self.capture.value, b, node, self.view.value, self.state.renders + 1, self.state.checks, note)
         with self.out:
             self.out.clear_output(wait=True)
             display(Image(plots.to_png(mask)), Image(plots.to_png(tree)))
-            print("\n".join(self.state.checks))
+            print("\n".join(([note] if note else []) + self.state.checks))

@@ -70,7 +70,7 @@ Image(plots.to_png(plots.mask_figure(cap.mask_rows(b).numpy(), step.prefix_len, 
 # %%
 block = unpack_bits(args.tree_mask[int(cap.qo_indptr[b]) : int(cap.qo_indptr[b + 1])], step.num_draft)
 assert (block == cap.tree_block(b)).all()
-Image(plots.to_png(plots.mask_figure(block.numpy(), 0, title="tree block from tree_mask bits")))
+Image(plots.to_png(plots.mask_figure(block.numpy(), step.prefix_len, first_col=step.prefix_len, title="request b's draft block, unpacked from tree_mask bits")))
 
 # %% [markdown]
 # ## The two historical bugs
@@ -84,7 +84,7 @@ for fault, what in [(None, "correct")] + list(FAULTS.items()):
 # %%
 wrong = marshal(cap, "prefix-stride").steps[b]
 print(f"prefix-stride reads rows at stride {wrong.mask_row_stride} instead of {step.mask_row_stride}: what the kernel would see")
-Image(plots.to_png(plots.mask_figure(wrong.tree_block.numpy(), 0, title="tree block read with the wrong stride")))
+Image(plots.to_png(plots.mask_fault_figure(step.tree_block.numpy(), wrong.tree_block.numpy(), step.prefix_len, wrong.mask_row_stride)))
 
 # %%
 only = marshal(cap, "prefix-only-kv").steps[b]

@@ -190,3 +190,14 @@ def test_plan_bad_input_exits_2(tmp_path):
         r = kdtree("plan", *args)
         assert r.returncode == 2 and r.stdout == "" and what in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+
+
+def test_a_directory_stands_for_its_captures_as_the_readme_writes_it(tmp_path):
+    """`kdtree info data/captured_batches` (the README's form) reads every capture and not the README.md and
+    regenerate.sh beside them; a directory without captures is bad input."""
+    shipped = SHIPPED[0].parent
+    r = kdtree("info", shipped, "--json")
+    assert r.returncode == 0, r.stderr
+    assert sorted(s["path"] for s in json.loads(r.stdout)) == sorted(str(p) for p in SHIPPED)
+    r = kdtree("diff", tmp_path)
+    assert r.returncode == 2 and "no capture files" in r.stderr and r.stdout == ""

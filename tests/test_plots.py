@@ -91,3 +91,70 @@ def test_bench_summary_reports_fractions_of_every_ceiling_and_the_geomean():
     assert len(names) == len(set(names)) == 12
     n1 = next(c for c in ALL_CASES if c.num_draft == 1).spec().resolved()
     assert n1.tree == "chain" and n1.num_draft_tokens == 1 and n1.batch_size == 64
+
+
+# ----- mask figures say the layout as it is ----------------------------------------------------------------
+def _mask_capture():
+    from kdtree.capture import load
+
+    return load(ROOT / "data/captured_batches/mixed-prefix.safetensors")
+
+
+def test_the_draft_block_is_labelled_with_the_requests_real_prefix_and_stride():
+    from kdtree import plots
+
+    cap = _mask_capture()
+    b = 3
+    p, n = int(cap.prefix_lens[b]), int(cap.num_draft[b])
+    assert p > 0
+    fig = plots.mask_figure(cap.tree_block(b).numpy(), p, first_col=p, selected=2)
+    ax = fig.axes[0]
+    assert f"prefix_len + N = {p} + {n} = {p + n}" in ax.get_xlabel()
+    lo, hi = ax.get_xlim()
+    assert (lo, hi) == (p - 0.5, p + n - 0.5)  # the draft columns where they are in the row
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert f"draft columns start at prefix_len = {p}" in labels and "node 2" in labels
+    assert ax.get_legend().get_bbox_to_anchor().x0 > ax.get_window_extent().x1 - 1  # outside the data
+    wrong = plots.mask_figure(cap.tree_block(b).numpy(), p, first_col=p, stride=p)
+    assert f"rows read at stride {p}, not prefix_len + N = {p} + {n} = {p + n}" in wrong.axes[0].get_xlabel()
+
+
+def test_the_fault_figure_marks_exactly_the_flipped_cells():
+    from kdtree import plots
+    from kdtree.marshal import marshal
+
+    cap = _mask_capture()
+    b = 3
+    good, bad = marshal(cap).steps[b], marshal(cap, "prefix-stride").steps[b]
+    flipped = int((good.tree_block != bad.tree_block).sum())
+    fig = plots.mask_fault_figure(good.tree_block.numpy(), bad.tree_block.numpy(), good.prefix_len, bad.mask_row_stride)
+    left, right = fig.axes[:2]
+    assert left.get_title().endswith(f"= {good.prefix_len} + {good.num_draft} = {good.mask_row_stride}")
+    assert f"stride {bad.mask_row_stride}; {flipped} of" in right.get_title() and flipped > 0
+    (marks,) = right.collections
+    assert len(marks.get_offsets()) == flipped
+
+
+def test_tree_depth_ticks_are_whole_numbers():
+    from kdtree import plots
+
+    fig = plots.tree_figure(np.array([-1, 0, 0, 1]))
+    fig.canvas = FigureCanvasAgg(fig)
+    fig.canvas.draw()
+    ticks = [t for t in fig.axes[0].get_yticks() if 0 <= t <= 2]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+
+
+def test_the_explorer_says_when_a_smaller_tree_moves_the_node():
+    pytest.importorskip("ipywidgets")
+    from kdtree.widgets import DDTreeExplorer
+
+    paths = [ROOT / "data/captured_batches" / n for n in ("ddtree64-bs3.safetensors", "kimi-dp-h64.safetensors")]
+    ex = DDTreeExplorer(paths)
+    ex.node.value = 60
+    assert ex.state.node == 60 and ex.state.note == ""
+    renders = ex.state.renders
+    ex.zoom.value = 4.0  # the draft-block view zooms too: a new render
+    assert ex.state.renders == renders + 1 and ex.state.view == "draft block"
+    ex.capture.value = "kimi-dp-h64.safetensors"  # N = 13
+    assert ex.state.node == 12 and "node 60 is past this request's N = 13" in ex.state.note
