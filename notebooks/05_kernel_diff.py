@@ -5,8 +5,6 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
-#       format_version: '1.3'
-#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -19,7 +17,8 @@
 # against the fp64 oracle. Edit the `.cu` (or a header it includes: on Hopper the segment body is
 # `verify_mla_wgmma.cuh`) and re-run: the change is picked up.
 # Without a GPU the kernel cannot run: the notebook says so, compile-checks sm_120/sm_90 and diffs the
-# emulation of SGLang's numerics instead.
+# kernel's torch model instead (what `kdtree diff` runs there too: the kernel's marshaled arguments, its split
+# and merge, in torch).
 
 # %%
 from pathlib import Path
@@ -28,12 +27,13 @@ from IPython.display import Image
 
 import kdtree
 from kdtree import plots
-from kdtree.impls import diff_capture
-from kdtree.impls import gpu_available
+from kdtree.diff import DEFAULT_TOLERANCE
+from kdtree.impls import default_impl, diff_capture, gpu_available
 from kdtree.kernel import KernelConfig, device_arch, nvrtc_arch, nvrtc_compile, parse_ptxas
 
 GPU = gpu_available()
-print("GPU:", device_arch() if GPU else "none here - running the emulation instead of the kernel")
+impl = default_impl()  # "cuda" with a GPU and CuPy, else "model": as `kdtree diff`
+print(f"GPU: {device_arch()}: the CUDA kernel runs" if GPU else "GPU: none here: the kernel's torch model runs instead (impl=model)")
 targets = ["sm_120"] + ([device_arch()] if GPU and device_arch() != "sm_120" else ["sm_90"])
 for arch in targets:
     config = KernelConfig.for_arch(arch)  # on Hopper: the wgmma segment, compiled as sm_90a
@@ -43,15 +43,16 @@ for arch in targets:
         print(r.line())
 
 # %%
-impl = "cuda" if GPU else "emulation"
 captures = [Path("../data/captured_batches/dsv3-3layers.safetensors"), Path("../data/captured_batches/extreme-logits.safetensors")]
 results = {}
 for path in captures:
     cap = kdtree.load(path)
     results[path.name] = (cap, diff_capture(cap, impl, "oracle"))
-    print(path.name)
+    print(f"{path.name}  impl={impl} ref=oracle")
     for d in results[path.name][1]:
         print("  " + d.line() + ("" if d.passed else "  FAIL"))
+every = [d for _, ds in results.values() for d in ds]
+print(f"{'PASS' if all(d.passed for d in every) else 'FAIL'}: {len(every)} layer(s) of {len(results)} capture(s), tolerance rel <= {DEFAULT_TOLERANCE:g}")
 
 # %%
 cap, diffs = results["dsv3-3layers.safetensors"]
