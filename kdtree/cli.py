@@ -399,6 +399,13 @@ def bench(
     typer.echo(f"wrote {js} and {png}")
 
 
+def _interrupt_code(e: KeyboardInterrupt) -> int:
+    """The shell's code for what stopped us: 143 for SIGTERM, 130 for Ctrl-C."""
+    from kdtree.server.process import Terminated
+
+    return 143 if isinstance(e, Terminated) else 130
+
+
 def _bench_server(out: Path, grid: dict) -> None:
     """`kdtree bench --server`: checked before any server starts; the table printed, JSON and PNG in `out`."""
     import importlib.util
@@ -416,16 +423,31 @@ def _bench_server(out: Path, grid: dict) -> None:
         _fail("kdtree bench --server needs SGLang (pip install -e '.[sglang]')")
     if not torch.cuda.is_available():
         _fail("kdtree bench --server needs a CUDA GPU")
+    from kdtree.server.checkpoint import CheckpointError
     from kdtree.server.process import sigterm_as_interrupt
 
+    if out.exists() and not out.is_dir():
+        _fail(f"--out {out}: exists and is not a directory")
     console = Console(stderr=True)
-    with sigterm_as_interrupt(), console.status("bench --server") as status:
-        result = sb.run(settings, out, say=status.update)
+    try:
+        with sigterm_as_interrupt(), console.status("bench --server") as status:
+            result = sb.run(settings, out, say=status.update)
+    except KeyboardInterrupt as e:
+        typer.echo(
+            f"kdtree bench --server: interrupted; servers stopped; partial result in {out / 'bench-server.json'}", err=True
+        )
+        raise typer.Exit(_interrupt_code(e)) from None
+    except CheckpointError as e:
+        _fail(str(e))
     typer.echo(sb.format_table(result["pairs"]))
     from kdtree.plots import server_bench_figure
 
-    server_bench_figure(result["pairs"]).savefig(out / "bench-server.png", dpi=120, bbox_inches="tight")
-    typer.echo(f"wrote {out / 'bench-server.json'} and {out / 'bench-server.png'}")
+    if result["pairs"]:
+        server_bench_figure(result["pairs"]).savefig(out / "bench-server.png", dpi=120, bbox_inches="tight")
+    typer.echo(f"wrote {out / 'bench-server.json'}" + (f" and {out / 'bench-server.png'}" if result["pairs"] else ""))
+    for problem in result["problems"]:
+        typer.echo(f"kdtree bench --server: {problem}", err=True)
+    raise typer.Exit(1 if result["problems"] else 0)
 
 
 @app.command("server-check")
@@ -490,6 +512,8 @@ def server_check(
         settings.check()
     except ValueError as e:
         _fail(str(e))
+    if out.exists() and not out.is_dir():
+        _fail(f"--out {out}: exists and is not a directory")
     for module, what in (
         ("sglang", "SGLang (pip install -e '.[sglang]')"),
         ("transformers", "transformers"),
@@ -501,6 +525,8 @@ def server_check(
 
     if not torch.cuda.is_available():
         _fail("kdtree server-check needs a CUDA GPU (it launches a real SGLang server)")
+    if tp > torch.cuda.device_count():
+        _fail(f"--tp {tp}: this machine has {torch.cuda.device_count()} GPU(s)")
     console = Console(stderr=True)
     try:
         with sigterm_as_interrupt(), console.status("server-check") as status:
@@ -512,9 +538,9 @@ def server_check(
                 say=status.update,
                 on_mode=lambda r: console.print(f"{r.mode}: {'PASS' if r.passed else 'FAIL'} ({r.seconds:.0f} s)"),
             )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         typer.echo(f"kdtree server-check: interrupted; servers stopped; partial report in {out / 'report.json'}", err=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(_interrupt_code(e)) from None
     except CheckpointError as e:
         _fail(str(e))
     typer.echo(json.dumps(report, indent=1, default=str) if as_json else format_report(report))

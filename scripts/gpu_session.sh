@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
-# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|server-check|all] ...
+# Usage (device machine, repository root): scripts/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|server-check|server-tests|all] ...
 # (bench-chain: the chain cases with FlashInfer's causal MLA kernel beside kdtree; carry .whl/fi312.tar.xz alone)
 # (bench-chain-fa2: sm_120's configuration against FlashInfer's portable fa2 kernel, first as its dispatch sizes it
 #  for this GPU, then on a copy of FlashInfer edited to take the branch it takes at sm_120's ~100 KB a SM; carry
@@ -9,7 +9,8 @@
 # (tensor-rate: the sm_120 configuration and 64 rows with Q in registers, each beside the same kernel with every MMA
 #  issued twice, a part with half this GPU's mma.sync rate per SM-cycle, on every bench case; the ceilings of both)
 # (server-check: `kdtree server-check` with the real sgl_kernel when .whl/sgl_kernel312.tar.xz is carried, else the
-#  test stand-in; SERVER_CHECK_ARGS adds options; carry .whl with site312.tar.xz and leave data/ behind)
+#  test stand-in; SERVER_CHECK_ARGS adds options; carry .whl with site312.tar.xz and leave data/ behind;
+#  server-tests: tests/test_server_gpu.py the same way, SERVER_TESTS_K selects tests)
 # (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;
 #  quick: the shipped captures, the fused merge and determinism tests only)
 set -uo pipefail

@@ -8,7 +8,8 @@ print for the mode in KDTREE_MODE: shadow lines (rel from STANDIN_REL), the targ
 line and kdtree's serve lines (serve, triton), a capture file per request (capture: a synthetic capture written by
 kdtree's own writer into KDTREE_CAPTURE_DIR).
 
-Usage: python server_standin.py PORT [--delay S] [--exit-early CODE] [--ignore-sigterm] [--never-ready]
+Usage: python server_standin.py PORT [--delay S] [--exit-early CODE] [--ignore-sigterm] [--never-ready] [--slow S]
+       [--die-mid-reply]
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -42,6 +42,8 @@ def say(line: str) -> None:
 class Handler(BaseHTTPRequestHandler):
     mode = "serve"
     served = 0
+    slow = 0.0  # seconds each /generate takes
+    die_mid_reply = False
 
     def log_message(self, *args):  # quiet, as SGLang's access log is off
         pass
@@ -67,6 +69,14 @@ class Handler(BaseHTTPRequestHandler):
             index = Handler.served
         if self.path == "/generate":
             n = payload["sampling_params"]["max_new_tokens"]
+            if self.die_mid_reply:  # headers and half a body, then the whole server dies
+                self.send_response(200)
+                self.send_header("Content-Length", "1000")
+                self.end_headers()
+                self.wfile.write(b'{"text": "')
+                self.wfile.flush()
+                os._exit(1)
+            time.sleep(self.slow)
             self._on_request(index)
             self._send(200, {"text": payload["text"][::-1][:n], "output_ids": list(range(n)),
                              "meta_info": {"completion_tokens": n, "spec_verify_ct": max(1, n // 2), "spec_accept_length": 2.0}})  # fmt: skip
@@ -102,7 +112,10 @@ def main() -> None:
     ap.add_argument("--exit-early", type=int, default=None)
     ap.add_argument("--ignore-sigterm", action="store_true")
     ap.add_argument("--never-ready", action="store_true")
+    ap.add_argument("--slow", type=float, default=0.0)
+    ap.add_argument("--die-mid-reply", action="store_true")
     args = ap.parse_args()
+    Handler.slow, Handler.die_mid_reply = args.slow, args.die_mid_reply
     child = multiprocessing.get_context("spawn").Process(target=scheduler, args=(args.ignore_sigterm,))
     child.start()
     if args.ignore_sigterm:
@@ -112,8 +125,7 @@ def main() -> None:
     time.sleep(args.delay)
     if args.exit_early is not None:
         say("Traceback (most recent call last):\nRuntimeError: the stand-in was told to exit early")
-        child.kill()
-        sys.exit(args.exit_early)
+        os._exit(args.exit_early)  # no atexit join: its scheduler child is left running, as after a crash
     if args.never_ready:
         while True:
             time.sleep(1)

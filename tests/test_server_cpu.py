@@ -142,9 +142,9 @@ def test_a_ready_server_is_ended_with_its_whole_group_and_frees_its_port(tmp_pat
     with _server(tmp_path) as server:
         server.wait_ready(30)
         assert port_in_use(server.port) and group_alive(server.pgid)
-    assert server.stopped == {"stopped": True, "sigkill": False, "exit_code": server.proc.returncode,
-                              "group_left": False, "port_free": True}  # fmt: skip
-    assert not group_alive(server.pgid)
+    stopped = server.stopped
+    assert (stopped["stopped"], stopped["sigkill"], stopped["group_left"], stopped["port_free"]) == (True, False, False, True)
+    assert stopped["exit_code"] is not None and not group_alive(server.pgid)
 
 
 def test_a_server_that_ignores_sigterm_is_killed(tmp_path):
@@ -186,31 +186,75 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path):
         assert second.proc is None
 
 
-def test_sigterm_to_the_caller_ends_the_server(tmp_path):
-    """A process running a server under `sigterm_as_interrupt` (as `kdtree server-check` does) is sent SIGTERM:
-    the server's group is gone after it exits."""
+def _caller(tmp_path, flags: tuple, body: str):
+    """A process that runs a stand-in server under `sigterm_as_interrupt` (as `kdtree server-check` does),
+    writes the server's group id once it answers, then runs `body` (`s` is the server); (process, port, pgid)."""
     port = free_port()
     pgid_file = tmp_path / "pgid"
     code = textwrap.dedent(
         f"""
-        import sys, time
+        import os, sys, time
         from pathlib import Path
+        from kdtree.server import client
         from kdtree.server.process import ServerProcess, sigterm_as_interrupt
-        with sigterm_as_interrupt(), ServerProcess({standin()(port)!r}, port={port}, log_path=Path({str(tmp_path / "s.log")!r})) as s:
+        with sigterm_as_interrupt(), ServerProcess({standin(*flags)(port)!r}, port={port}, log_path=Path({str(tmp_path / "s.log")!r})) as s:
             s.wait_ready(30)
-            Path({str(pgid_file)!r}).write_text(str(s.pgid))
-            time.sleep(60)
+            Path({str(pgid_file) + ".tmp"!r}).write_text(str(s.pgid))
+            os.replace({str(pgid_file) + ".tmp"!r}, {str(pgid_file)!r})
         """
-    )
+    ) + textwrap.indent(textwrap.dedent(body), "    ")
     caller = subprocess.Popen([sys.executable, "-c", code], env=standin_env())
     deadline = time.monotonic() + 30
-    while not pgid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    pgid = int(pgid_file.read_text())
-    assert group_alive(pgid)
-    caller.send_signal(signal.SIGTERM)
-    assert caller.wait(timeout=30) != 0
-    assert not group_alive(pgid) and not port_in_use(port)
+    while not pgid_file.exists() and time.monotonic() < deadline and caller.poll() is None:
+        time.sleep(0.1)
+    return caller, port, int(pgid_file.read_text())
+
+
+def _reap(caller, pgid):
+    if caller.poll() is None:
+        caller.kill()
+    if group_alive(pgid):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def test_sigterm_to_the_caller_ends_the_server(tmp_path):
+    caller, port, pgid = _caller(tmp_path, (), "time.sleep(60)")
+    try:
+        assert group_alive(pgid)
+        caller.send_signal(signal.SIGTERM)
+        assert caller.wait(timeout=30) != 0
+        assert not group_alive(pgid) and not port_in_use(port)
+    finally:
+        _reap(caller, pgid)
+
+
+def test_sigterm_while_requests_are_in_flight_does_not_wait_for_the_queue(tmp_path):
+    """Eight 20-second requests, two at a time: SIGTERM two seconds in ends the caller and the server in
+    seconds, not after the queue."""
+    body = "client.drive(s.url, ['p'] * 8, concurrency=2, max_new_tokens=4, timeout=60)"
+    caller, port, pgid = _caller(tmp_path, ("--slow", "20"), body)
+    try:
+        time.sleep(2)
+        t0 = time.monotonic()
+        caller.send_signal(signal.SIGTERM)
+        caller.wait(timeout=40)
+        assert time.monotonic() - t0 < 25 and not group_alive(pgid)
+    finally:
+        _reap(caller, pgid)
+
+
+def test_a_second_signal_does_not_cut_the_clean_up_short(tmp_path):
+    """The server ignores SIGTERM, so stopping it waits out the grace period; a second SIGTERM to the caller
+    meanwhile still ends with the server's group gone (SIGKILL)."""
+    caller, port, pgid = _caller(tmp_path, ("--ignore-sigterm",), "time.sleep(60)")
+    try:
+        caller.send_signal(signal.SIGTERM)
+        time.sleep(2)  # inside stop()'s grace period
+        caller.send_signal(signal.SIGTERM)
+        caller.wait(timeout=60)
+        assert not group_alive(pgid)
+    finally:
+        _reap(caller, pgid)
 
 
 # ----- a mode's run and verdict against the stand-in -------------------------------------------------------
@@ -250,6 +294,14 @@ def test_capture_files_are_validated_diffed_and_must_be_private(tmp_path, monkey
     assert all(c["passed_vs_capture"] and c["passed_vs_oracle"] and c["impl"] == "model" for c in r.captures)
     r.captures[0]["mode"] = "0o644"
     assert any("not 0o600" in why for why in check.verdict(r, SETTINGS))
+
+
+def test_a_server_that_dies_mid_reply_fails_its_mode_without_a_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", standin_env()["PYTHONPATH"])
+    s = check.CheckSettings(requests=2, concurrency=1, startup_timeout=30)
+    r = check.run_mode("serve", tmp_path, TinySpec(), s, tmp_path, launcher=standin("--die-mid-reply"))
+    assert not r.passed and r.answered == 0 and "2 of 2 requests not answered" in r.reasons
+    assert all(x["error"] for x in r.replies) and not r.stopped["group_left"]
 
 
 def test_a_server_that_never_answers_fails_its_mode_and_leaves_nothing(tmp_path, monkeypatch):
@@ -305,6 +357,8 @@ def test_the_report_is_written_whole_with_every_mode(tmp_path, monkeypatch):
         (["--heads", "0"], "heads_per_rank must be at least 1"),
         (["--entrypoint", "docker"], "--entrypoint"),
         (["--draft-tokens", "1"], "at least 2"),
+        (["--mode", "shadow", "--mode", "shadow"], "each mode once"),
+        (["--startup-timeout", "0"], "--startup-timeout must be > 0"),
     ],
 )
 def test_bad_options_exit_2_before_anything_runs(args, message, tmp_path):

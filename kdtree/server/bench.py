@@ -140,8 +140,8 @@ def pair_rows(rows: list[dict]) -> list[dict]:
     out = []
     for k in sorted({key(r) for r in rows}):
         k_row, t_row = by.get((k, "serve")), by.get((k, "triton"))
-        if k_row is None or t_row is None:
-            continue
+        if k_row is None or t_row is None or not (k_row["tokens_per_s"] > 0 and t_row["tokens_per_s"] > 0):
+            continue  # a point one side did not measure has no ratio
         out.append(
             dict(zip(("heads", "draft_tokens", "prompt_len", "batch"), k))
             | {
@@ -200,7 +200,7 @@ def run(
     `out_dir/bench-server.json` after each server."""
     s.check()
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"settings": asdict(s), "rows": [], "servers": [], "pairs": []}
+    result = {"settings": asdict(s), "rows": [], "servers": [], "pairs": [], "problems": []}
     for heads in s.heads:
         spec = s.spec(heads)
         model = build_checkpoint(spec, (model_root or out_dir) / f"model-h{heads}-c{spec.context_length}")
@@ -228,6 +228,11 @@ def run(
                 result["servers"].append(
                     {"name": name, "log": r.log, "ready_after": r.ready_after, "scan": r.scan, "reasons": r.reasons}
                 )
+                missing = len(prompts) - len(rows)
+                unanswered = sum(row["requests"] - row["answered"] for row in rows)
+                result["problems"] += [f"{name}: {why}" for why in r.reasons if "requests not answered" not in why]
+                if missing or unanswered:
+                    result["problems"].append(f"{name}: {missing} point(s) not measured, {unanswered} request(s) not answered")
                 result["pairs"] = pair_rows(result["rows"])
                 write_json(out_dir / "bench-server.json", result)
     return result

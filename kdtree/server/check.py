@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from kdtree.diff import DEFAULT_TOLERANCE  # captures diff as `kdtree diff` does
 from kdtree.server import client, logscan
 from kdtree.server.checkpoint import TinySpec, build_checkpoint
 from kdtree.server.process import ServerError, ServerProcess, free_port
@@ -31,7 +32,6 @@ from kdtree.server.process import ServerError, ServerProcess, free_port
 MODES = {"shadow": ("shadow", False), "serve": ("serve", True), "capture": ("capture", False), "triton": ("triton", True)}
 DEFAULT_MODES = ("shadow", "serve", "capture")
 ENTRYPOINTS = ("launch_server", "serve")
-CAPTURE_DIFF_TOLERANCE = 1e-2  # `kdtree diff`'s default
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,10 @@ class CheckSettings:
                 raise ValueError(f"--mode: unknown mode {m!r}; expected one of {', '.join(MODES)}")
         if not self.modes:
             raise ValueError("--mode: at least one mode")
+        if len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"--mode: each mode once (got {', '.join(self.modes)})")
+        if not (self.startup_timeout > 0 and self.request_timeout > 0):
+            raise ValueError(f"--startup-timeout must be > 0 seconds, got {self.startup_timeout}")
         if self.entrypoint not in ENTRYPOINTS:
             raise ValueError(f"--entrypoint: one of {', '.join(ENTRYPOINTS)}, got {self.entrypoint!r}")
         for name in ("draft_tokens", "bfs_breadth", "page_size", "requests", "concurrency", "max_new_tokens"):
@@ -213,11 +217,22 @@ def _capture_checks(capture_dir: Path, tolerance: float) -> list[dict]:
     return out
 
 
+def cleanup_problems(stopped: dict) -> list[str]:
+    """What stopping the server left behind (checked on every path, a server that never answered too)."""
+    why = []
+    if stopped.get("group_left"):
+        why.append("server processes were left after stopping")
+    if stopped.get("stopped") and stopped.get("port_free") is False:
+        why.append("the server's port was still taken after stopping")
+    return why
+
+
 def verdict(r: ModeResult, s: CheckSettings) -> list[str]:
     """Why a mode's run fails the check (empty: it passes)."""
     why = []
     if r.answered < r.requests:
         why.append(f"{r.requests - r.answered} of {r.requests} requests not answered")
+    why += [f"{path} did not answer" for path, ok in r.openai.items() if not ok]
     scan = r.scan
     if scan.get("fallbacks"):
         why.append(f"kdtree fell back: {scan['fallbacks'][0]}")
@@ -244,11 +259,9 @@ def verdict(r: ModeResult, s: CheckSettings) -> list[str]:
             if not c.get("valid"):
                 why.append(f"{name} does not validate: {c.get('error')}")
             elif not (c.get("passed_vs_capture") and c.get("passed_vs_oracle")):
-                why.append(f"{name} diffs outside rel {CAPTURE_DIFF_TOLERANCE}")
+                why.append(f"{name} diffs outside rel {DEFAULT_TOLERANCE}")
             if c["mode"] != "0o600":
                 why.append(f"{name} has mode {c['mode']}, not 0o600")
-    if r.stopped.get("group_left"):
-        why.append("server processes were left after stopping")
     return why
 
 
@@ -310,9 +323,10 @@ def run_mode(
     result.scan = logscan.scan(log_path.read_text(errors="replace") if log_path.exists() else "").summary()
     if mode == "capture" and capture_dir.exists():
         say("capture: validating and diffing the captures")
-        result.captures = _capture_checks(capture_dir, CAPTURE_DIFF_TOLERANCE)
-    if not result.reasons:  # a server that never came up has no further verdict
+        result.captures = _capture_checks(capture_dir, DEFAULT_TOLERANCE)
+    if not result.reasons:  # a server that never came up has no further verdict ...
         result.reasons = verdict(result, s)
+    result.reasons += cleanup_problems(result.stopped)  # ... but its clean-up has
     result.passed = not result.reasons
     result.seconds = time.monotonic() - t0
     return result

@@ -6,6 +6,7 @@ the shadow diff and the agreement rate are robust to."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
 import time
@@ -79,10 +80,12 @@ class Reply:
         return asdict(self)
 
 
-def _post(url: str, payload: dict, timeout: float) -> tuple[int, dict]:
+def post_json(url: str, payload: dict, timeout: float) -> tuple[int, dict]:
+    """POST `payload` as JSON; (status, the JSON answer, {} when there is none)."""
     req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        return r.status, json.loads(r.read())
+        body = r.read()
+        return r.status, json.loads(body) if body.strip() else {}
 
 
 def generate(base_url: str, prompt: str | list[int], *, max_new_tokens: int, index: int = 0, timeout: float = 300.0) -> Reply:
@@ -94,10 +97,10 @@ def generate(base_url: str, prompt: str | list[int], *, max_new_tokens: int, ind
     }
     t0 = time.monotonic()
     try:
-        status, body = _post(base_url + "/generate", payload, timeout)
+        status, body = post_json(base_url + "/generate", payload, timeout)
     except urllib.error.HTTPError as e:
         return Reply(index, False, e.code, error=f"HTTP {e.code}: {e.read()[:300]!r}", seconds=time.monotonic() - t0)
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:  # e.g. the server died mid-reply
         return Reply(index, False, error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
     meta = body.get("meta_info", {})
     return Reply(
@@ -148,11 +151,11 @@ def openai_probe(base_url: str, *, max_tokens: int = 16, timeout: float = 120.0)
     }
     for path, payload in calls.items():
         try:
-            status, body = _post(base_url + path, payload, timeout)
+            status, body = post_json(base_url + path, payload, timeout)
             choice = (body.get("choices") or [{}])[0]
             text = choice.get("text") or (choice.get("message") or {}).get("content")
             out[path] = status == 200 and bool(text)
-        except (urllib.error.URLError, OSError, ValueError):
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
             out[path] = False
     return out
 
@@ -168,9 +171,12 @@ def drive(
 ) -> list[Reply]:
     """Send every prompt, `concurrency` at a time; replies in prompt order, `prompt_index` counted from
     `first_index` (the prompts' place in a longer list sent in parts)."""
-    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, concurrency))
+    try:
         futures = [
             pool.submit(generate, base_url, t, max_new_tokens=max_new_tokens, index=first_index + i, timeout=timeout)
             for i, t in enumerate(texts)
         ]
         return [f.result() for f in futures]
+    finally:  # on Ctrl-C or SIGTERM: drop the queued requests, do not wait for those in flight
+        pool.shutdown(wait=False, cancel_futures=True)

@@ -9,12 +9,17 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to this process, raised where Ctrl-C would raise KeyboardInterrupt (`sigterm_as_interrupt`)."""
 
 
 class ServerError(RuntimeError):
@@ -62,10 +67,9 @@ class ServerProcess:
         env: Mapping[str, str] | None = None,
         host: str = "127.0.0.1",
         ready_path: str = "/model_info",
-        cwd: Path | None = None,
     ):
         self.argv, self.port, self.host, self.ready_path = list(argv), port, host, ready_path
-        self.log_path, self.env, self.cwd = Path(log_path), dict(env) if env is not None else None, cwd
+        self.log_path, self.env = Path(log_path), dict(env) if env is not None else None
         self.proc: subprocess.Popen | None = None
         self.pgid: int | None = None
         self.started_at: float | None = None
@@ -88,7 +92,6 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.env,
-                cwd=self.cwd,
                 start_new_session=True,
             )
         finally:
@@ -125,15 +128,26 @@ class ServerProcess:
                 on_tick(now - self.started_at)
             time.sleep(1.0)
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
     def stop(self, grace: float = 20.0) -> dict:
-        """End the whole group: SIGTERM, up to `grace` seconds, then SIGKILL. Returns what was left and done."""
+        """End the whole group: SIGTERM, up to `grace` seconds, then SIGKILL. Returns what was left and done.
+        Ctrl-C and SIGTERM wait until it is done (a second signal must not cut the clean-up short)."""
         if self.stopped is not None:  # once: a second call reports the first
             return self.stopped
         if self.proc is None or self.pgid is None:
             return {"stopped": False}
+        if threading.current_thread() is not threading.main_thread():  # (handlers are the main thread's)
+            return self._stop(grace)
+        came: list[int] = []
+        previous = {sig: signal.signal(sig, lambda signum, frame: came.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._stop(grace)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if came:  # a signal that came meanwhile lands now, as it would have
+                signal.raise_signal(came[0])
+
+    def _stop(self, grace: float) -> dict:
         done = {"stopped": True, "sigkill": False, "exit_code": self.proc.poll()}
         if group_alive(self.pgid):
             try:
@@ -176,15 +190,13 @@ class ServerProcess:
 @contextmanager
 def sigterm_as_interrupt():
     """Within the block, SIGTERM to this process raises KeyboardInterrupt, so `with ServerProcess(...)` blocks
-    clean up as they do on Ctrl-C (only in the main thread; elsewhere a no-op)."""
-    import threading
-
+    clean up as they do on Ctrl-C (as `Terminated`, a KeyboardInterrupt; only in the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise Terminated(f"signal {signum}")
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:

@@ -12,8 +12,9 @@ import gzip
 import json
 import re
 import time
-import urllib.request
 from pathlib import Path
+
+from kdtree.server.client import post_json
 
 # SGLang's Triton attention kernels (extend: `_fwd_kernel`; decode: `_fwd_kernel_stage1/2`,
 # `_fwd_grouped_kernel_stage1`) and kdtree's (forward, merge, the marshal kernel)
@@ -68,23 +69,16 @@ def amdahl(share: float, speedup: float) -> float:
     return 1.0 / ((1.0 - share) + share / speedup)
 
 
-def _post(url: str, payload: dict | None = None, timeout: float = 120.0) -> None:
-    data = json.dumps(payload or {}).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout):
-        pass
-
-
 def profiled(base_url: str, output_dir: Path, run) -> Path | None:
     """Run `run()` between SGLang's /start_profile and /stop_profile (GPU activity only, into `output_dir`); the
     trace it wrote, or None."""
     output_dir.mkdir(parents=True, exist_ok=True)
     before = set(output_dir.rglob("*.json*"))
-    _post(base_url + "/start_profile", {"output_dir": str(output_dir), "activities": ["GPU"]})
+    post_json(base_url + "/start_profile", {"output_dir": str(output_dir), "activities": ["GPU"]}, 120.0)
     try:
         run()
     finally:
-        _post(base_url + "/stop_profile")
+        post_json(base_url + "/stop_profile", {}, 120.0)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # the scheduler writes the trace after it answers
         new = sorted(set(output_dir.rglob("*.json*")) - before, key=lambda p: p.stat().st_mtime)

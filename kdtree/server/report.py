@@ -36,6 +36,8 @@ def mode_lines(m: dict) -> list[str]:
             f"  captures {len(caps)}: {valid} validate, {clean} diff clean ({caps[0].get('impl')} vs capture and oracle; "
             f"worst rel vs oracle {_fmt(worst)}), most children of a node {branch}"
         )
+    if scan.get("errors"):
+        lines.append(f"  errors in the server log: {len(scan['errors'])} (first: {scan['errors'][0]})")
     for line in scan.get("capture_budget_stops", []):
         lines.append(f"  [kdtree] {line}")
     for line in scan.get("fallbacks", []):

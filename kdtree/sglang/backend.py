@@ -352,12 +352,13 @@ class KdtreeAttnBackend(TritonAttnBackend):
             try:
                 o = self._serve(q, k, v, layer, forward_batch, save_kv_cache)
                 self._note_capture(kdtree=True)
-                log.once(
-                    "served",
-                    f"serving: first verify step kdtree served (batch {len(forward_batch.req_pool_indices)}, "
-                    f"{self.num_tokens_per_request(forward_batch)} draft tokens, {layer.tp_q_head_num} heads)",
-                    logging.INFO,
-                )
+                if not log.said("served") and not torch.cuda.is_current_stream_capturing():  # a step run, not recorded
+                    log.once(
+                        "served",
+                        f"serving: first verify step kdtree served (batch {len(forward_batch.req_pool_indices)}, "
+                        f"{self.num_tokens_per_request(forward_batch)} draft tokens, {layer.tp_q_head_num} heads)",
+                        logging.INFO,
+                    )
                 return o
             except Exception as e:  # noqa: BLE001 - any kdtree failure falls back to Triton
                 log.once(f"serve:{type(e).__name__}", f"kdtree failed ({type(e).__name__}: {e}); Triton serves")

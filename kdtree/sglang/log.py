@@ -15,3 +15,8 @@ def once(key: str, message: str, level: int = logging.WARNING) -> bool:
     _said.add(key)
     logger.log(level, "[kdtree] %s", message)
     return True
+
+
+def said(key: str) -> bool:
+    """Whether `key` was logged in this process (lets a hot path skip building a line it will not log)."""
+    return key in _said
