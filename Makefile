@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh Linux machine with Python 3.11+:
-#   make lab    - creates .venv on first use, installs kdtree, starts JupyterLab on notebooks/
+#   make lab    - creates .venv on first use, installs kdtree, starts JupyterLab over the repository, on notebooks/
+#                 (IP=0.0.0.0 PORT=8899 to choose; the notebooks' .ipynb are made from their tracked scripts)
 #   make test   - the same environment, then the test suite (what CI runs)
 # TORCH picks the torch pip installs: default `torch` from PyPI (a CUDA build on Linux);
 # CI passes a CPU build, e.g. TORCH="torch==2.13.0" or TORCH="torch --index-url https://download.pytorch.org/whl/cpu".
@@ -19,9 +20,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
-# (Jupyter refuses to run as root unless told: containers often are root)
+IP ?= 127.0.0.1
+PORT ?= 8888
 lab: $(STAMP)
-	$(BIN)/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
+	$(BIN)/python -m kdtree.lab --ip $(IP) --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

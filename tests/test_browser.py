@@ -9,9 +9,7 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -22,7 +20,7 @@ from conftest import ROOT
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = ROOT / "test-artifacts"
-NOTEBOOK = "03_ddtree_visibility.ipynb"
+NOTEBOOK = "03_ddtree_visibility.ipynb"  # a working copy `make lab` makes from 03_ddtree_visibility.py
 
 REQUIRED = os.environ.get("KDTREE_REQUIRE_BROWSER") == "1"  # CI sets it: a missing browser fails, not skips
 if not Path(CHROMIUM).exists():
@@ -32,37 +30,33 @@ if not Path(CHROMIUM).exists():
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """JupyterLab on loopback over a copy of the notebooks (so autosave never touches the repository)."""
-    root = tmp_path_factory.mktemp("lab")
-    shutil.copytree(ROOT / "notebooks", root / "notebooks")
-    (root / "data").mkdir()
-    (root / "data" / "captured_batches").symlink_to(ROOT / "data" / "captured_batches")
+    """`make lab`'s JupyterLab (kdtree.lab: the repository as root, notebooks made from their scripts) over a
+    clone of the repository's committed tree plus the working tree's notebooks/, kdtree/ and tests, so the test
+    can read `git status` there; token off, on loopback. Yields (url, clone)."""
+    from kdtree.lab import command, ensure_notebooks
+    from kdtree.server.process import free_port
+
+    clone = tmp_path_factory.mktemp("lab") / "repo"
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(ROOT), str(clone)], check=True)
+    for name in ("notebooks", "kdtree", "jupytext.toml", ".gitignore"):  # the working tree's, as a user has it
+        src, dst = ROOT / name, clone / name
+        if src.is_dir():
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.ipynb", "__pycache__", ".ipynb_checkpoints"))
+        else:
+            shutil.copy(src, dst)
+    subprocess.run(["git", "add", "-A"], cwd=clone, check=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "wt", "--allow-empty"], cwd=clone, check=True
+    )
+    ensure_notebooks(clone)
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "jupyterlab",
-        "--no-browser",
-        f"--port={port}",
-        "--ip=127.0.0.1",
-        "--ServerApp.token=",
-        "--ServerApp.password=",
-        f"--ServerApp.root_dir={root}",
-        "--LabApp.news_url=",
-        "--ServerApp.disable_check_xsrf=True",
-    ]
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        cmd.append("--allow-root")
-    log = open(root / "lab.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cmd = command(clone, "127.0.0.1", port, browser=False, extra=["--ServerApp.token=", "--ServerApp.password=",
+                                                                   "--ServerApp.disable_check_xsrf=True"])  # fmt: skip
+    log = open(clone.parent / "lab.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=clone, env={**os.environ, "PYTHONPATH": str(clone)})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90
     while time.time() < deadline:
@@ -73,8 +67,8 @@ def lab(tmp_path_factory):
             time.sleep(0.5)
     else:
         proc.terminate()
-        pytest.fail("JupyterLab did not start:\n" + (root / "lab.log").read_text()[-3000:])
-    yield url
+        pytest.fail("JupyterLab did not start:\n" + (clone.parent / "lab.log").read_text()[-3000:])
+    yield url, clone
     proc.terminate()
     try:
         proc.wait(timeout=20)
@@ -95,7 +89,7 @@ def probe_state(page, previous: str = "") -> tuple[dict, str]:
     """Run the probe cell (it prints the explorer's state) and parse what it printed."""
     cell = page.locator(".jp-Notebook .jp-CodeCell", has_text="print(explorer.state)")
     cell.locator(".jp-InputArea-editor").click()
-    page.keyboard.press("Shift+Enter")
+    page.keyboard.press("Control+Enter")  # run in place (Shift+Enter on the last cell would add one)
     out = cell.locator(".jp-OutputArea-output").first
     page.wait_for_function(
         "([el, old]) => el.innerText.includes('ExplorerState') && el.innerText !== old",
@@ -111,7 +105,14 @@ def first_image(page) -> str:
     return page.locator(".widget-output img").first.get_attribute("src")
 
 
+def git_status(clone: Path) -> str:
+    return subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True, check=True).stdout
+
+
 def test_ddtree_notebook_in_a_real_browser(lab):
+    """Run it, explore through the widgets, save: the figure follows the selection, and the repository is as it
+    was (the outputs live in the ignored .ipynb; the tracked script is unchanged)."""
+    url, clone = lab
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(
@@ -128,7 +129,7 @@ def test_ddtree_notebook_in_a_real_browser(lab):
         )
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{lab}/lab/tree/notebooks/{NOTEBOOK}")
+            page.goto(f"{url}/lab/tree/notebooks/{NOTEBOOK}")
             page.wait_for_selector(".jp-Notebook", timeout=60_000)
             try:  # a "Select Kernel" dialog may come first
                 page.locator(".jp-Dialog .jp-mod-accept").click(timeout=8_000)
@@ -151,6 +152,11 @@ def test_ddtree_notebook_in_a_real_browser(lab):
             after, _ = probe_state(page, before_text)
             after_img = first_image(page)
             page.screenshot(path=str(ARTIFACTS / "ddtree-notebook.png"), full_page=True)
+            page.keyboard.press("Control+s")  # save, as a user does after exploring
+            page.wait_for_timeout(3000)
+            status = git_status(clone)
+            if status:
+                status += subprocess.run(["git", "diff"], cwd=clone, capture_output=True, text=True).stdout
         except Exception:
             page.screenshot(path=str(ARTIFACTS / "ddtree-notebook-failure.png"), full_page=True)
             raise
@@ -160,4 +166,7 @@ def test_ddtree_notebook_in_a_real_browser(lab):
     assert (after["request"], after["node"]) == ("3", "7")
     assert int(after["renders"]) > int(before["renders"])
     assert after_img != before_img  # the figure was redrawn for the new selection
+    saved = (clone / "notebooks" / NOTEBOOK).read_text()
+    assert '"output_type"' in saved  # the save reached the working copy, with its outputs ...
+    assert status == "", status  # ... and no tracked file changed
     (ARTIFACTS / "ddtree-notebook-state.json").write_text(json.dumps({"before": before, "after": after}))
