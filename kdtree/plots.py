@@ -334,60 +334,92 @@ def pool_map_image(codes: np.ndarray, width: int = 512, max_rows: int = 512) -> 
     return img.reshape(rows, width), per_cell
 
 
-def pool_figure(codes: np.ndarray, num_requests: int, *, width: int = 512) -> Figure:
-    """The pool as a map: free slots, slot 0, each request's prefix (light) and draft (dark) slots."""
+def request_colors(num_requests: int) -> list[tuple]:
+    """(prefix, draft) colours for each request: tab20's light/dark pairs up to ten requests, beyond that hues
+    spaced evenly (light and dark of each), so no two requests share a colour."""
+    if num_requests <= 10:
+        tab = matplotlib.colormaps["tab20"]
+        return [(tab(2 * b + 1), tab(2 * b)) for b in range(num_requests)]
+    from matplotlib.colors import hsv_to_rgb
+
+    hues = np.linspace(0, 1, num_requests, endpoint=False)
+    return [(tuple(hsv_to_rgb((h, 0.35, 1.0))) + (1.0,), tuple(hsv_to_rgb((h, 0.9, 0.65))) + (1.0,)) for h in hues]
+
+
+def pool_figure(codes: np.ndarray, num_requests: int, *, width: int = 512, max_legend: int = 24) -> Figure:
+    """The pool as a map, slot 0 at the top left, `width` cells a row: free slots, slot 0 (padding), each
+    request's prefix (light) and draft (dark) slots."""
     img, per_cell = pool_map_image(codes, width)
-    base = ["#ffffff", "#000000"]
-    pal = []
-    cmap20 = matplotlib.colormaps["tab20"]
-    for b in range(num_requests):
-        pal += [cmap20((2 * b + 1) % 20), cmap20((2 * b) % 20)]  # light prefix, dark draft
-    cmap = ListedColormap(["#dddddd"] + base + pal)  # -1 = past the end
-    fig = Figure(figsize=(9, 4))
+    pairs = request_colors(num_requests)
+    pal = [c for pair in pairs for c in pair]
+    cmap = ListedColormap(["#bbbbbb", "#ffffff", "#000000"] + pal)  # -1 = past the pool's end
+    fig = Figure(figsize=(11, 4.4), layout="constrained")
     ax = fig.subplots()
-    ax.imshow(img + 1, cmap=cmap, vmin=0, vmax=len(base) + len(pal), aspect="auto", interpolation="nearest")
-    ax.set_title(f"MLA pool: {len(codes):,} slots, {per_cell} per cell, rows of {width * per_cell:,} slots")
-    ax.set_xticks([])
-    ax.set_ylabel("row")
-    handles = [Patch(color="#ffffff", ec="#999999", label="free"), Patch(color="#000000", label="slot 0 (padding)")]
-    for b in range(min(num_requests, 6)):
-        handles += [Patch(color=pal[2 * b], label=f"req {b} prefix"), Patch(color=pal[2 * b + 1], label=f"req {b} draft")]
-    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.tight_layout()
+    ax.imshow(img + 1, cmap=cmap, vmin=0, vmax=2 + len(pal), aspect="auto", interpolation="nearest")
+    slots = len(codes)
+    ax.set_title(f"MLA pool: slots 0..{slots - 1:,} (slot 0 is padding, {slots - 1:,} allocatable); {per_cell} a cell")
+    row_slots = width * per_cell
+    ticks = np.linspace(0, width, 5)
+    ax.set_xticks(ticks - 0.5, [f"+{int(t * per_cell):,}" for t in ticks])
+    ax.set_xlabel(f"slot within the row ({row_slots:,} slots a row)")
+    ax.set_ylabel(f"row (first slot = row x {row_slots:,})")
+    handles = [
+        Patch(color="#ffffff", ec="#999999", label="free"),
+        Patch(color="#000000", label="slot 0 (padding)"),
+        Patch(color="#bbbbbb", label="past the pool's end"),
+    ]
+    for b, (light, dark) in enumerate(pairs[:max_legend]):
+        handles += [Patch(color=light, label=f"req {b} prefix"), Patch(color=dark, label=f"req {b} draft")]
+    if num_requests > max_legend:
+        handles.append(Patch(color="none", label=f"... {num_requests - max_legend} more requests"))
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), ncols=1 + len(handles) // 26)
     return fig
 
 
-def kv_row_figure(rows: np.ndarray, slots: list[int], latent: int = 512) -> Figure:
-    """Chosen pool rows as values: the 512 latent columns (c_KV, also V) | the 64 rope columns (k_pe)."""
+def kv_row_figure(rows: np.ndarray, slots: list[int], *, labels: list[str] | None = None, latent: int = 512,
+                  dtype: str = "bf16", bytes_per_value: int = 2) -> Figure:  # fmt: skip
+    """Chosen pool rows as values: the 512 latent columns (c_KV, also V) | the 64 rope columns (k_pe).
+    `labels` says what each row is (e.g. "req 4 prefix")."""
     rows = np.asarray(rows, dtype=np.float32)
-    fig = Figure(figsize=(9, 1 + 0.45 * len(slots)))
+    width = rows.shape[1]
+    fig = Figure(figsize=(11, 1.6 + 0.45 * len(slots)), layout="constrained")
     ax = fig.subplots()
     lim = float(np.nanmax(np.abs(rows))) if np.isfinite(rows).any() else 1.0
     im = ax.imshow(rows, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
     ax.axvline(latent - 0.5, color="black", lw=1.5)
     ax.set_yticks(range(len(slots)))
-    ax.set_yticklabels([f"slot {s}" for s in slots])
-    ax.set_xlabel(f"column: 0..{latent - 1} latent c_KV (= V) | {latent}..{rows.shape[1] - 1} rope k_pe")
-    fig.colorbar(im, ax=ax, fraction=0.03)
-    fig.tight_layout()
+    ax.set_yticklabels([f"slot {s}" + (f" ({labels[i]})" if labels else "") for i, s in enumerate(slots)])
+    ax.set_xlabel(f"column: 0..{latent - 1} latent c_KV (= V) | {latent}..{width - 1} rope k_pe")
+    ax.set_title(f"pool rows: kv_buffer [slots, 1, {width}] {dtype}, {width * bytes_per_value:,} B a row ({len(slots)} shown)")
+    fig.colorbar(im, ax=ax, fraction=0.03, label="value")
     return fig
 
 
 # ----- errors --------------------------------------------------------------------------------------
-def error_map_figure(row_rel: np.ndarray, depths: np.ndarray, *, title: str = "") -> Figure:
-    """Relative error per (node, head) with each node's depth beside it."""
+def error_map_figure(
+    row_rel: np.ndarray, depths: np.ndarray, *, request_starts: list[int] | None = None, title: str = ""
+) -> Figure:
+    """Relative error per (node, head), log10, with each node's depth beside it and the requests' first rows
+    marked (`request_starts`: qo_indptr without its last entry)."""
     row_rel = np.asarray(row_rel, dtype=np.float64)
-    fig = Figure(figsize=(9, 4))
+    depths = np.asarray(depths)
+    fig = Figure(figsize=(11, 4.6), layout="constrained")
     ax, axd = fig.subplots(1, 2, gridspec_kw={"width_ratios": [12, 1]}, sharey=True)
     im = ax.imshow(np.log10(np.maximum(row_rel, 1e-12)), aspect="auto", cmap="magma", interpolation="nearest")
     ax.set_xlabel("head")
-    ax.set_ylabel("token (draft node)")
-    ax.set_title(title or "log10 rel error per (node, head)")
-    fig.colorbar(im, ax=ax, fraction=0.03)
-    axd.imshow(np.asarray(depths)[:, None], aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_ylabel("token row (draft node)")
+    ax.set_title(title or "rel error per (node, head)")
+    fig.colorbar(im, ax=ax, fraction=0.03, label="log10(rel error)")
+    dim = axd.imshow(depths[:, None], aspect="auto", cmap="viridis", interpolation="nearest")
     axd.set_xticks([])
-    axd.set_title("depth", fontsize=8)
-    fig.tight_layout()
+    axd.set_title("depth", fontsize=9)
+    cb = fig.colorbar(dim, ax=axd, fraction=0.5, label="depth in the tree")
+    cb.locator = matplotlib.ticker.MaxNLocator(integer=True)
+    cb.update_ticks()
+    for b, start in enumerate(request_starts or []):
+        for a in (ax, axd):
+            a.axhline(start - 0.5, color="#2ec4b6", lw=1.0)
+        ax.text(row_rel.shape[1] - 0.5, start - 0.5, f" req {b}", color="#2ec4b6", fontsize=8, va="top", ha="right")
     return fig
 
 

@@ -39,7 +39,7 @@ for r in s["requests"]:
 b = 4
 slots = [int(cap.prefix_slots(b)[0]), int(cap.prefix_slots(b)[1]), int(cap.draft_slots(b)[0]), int(cap.draft_slots(b)[1])]
 pool = cap.pool(0)
-Image(plots.to_png(plots.kv_row_figure(pool[slots, 0].float().numpy(), slots)))
+Image(plots.to_png(plots.kv_row_figure(pool[slots, 0].float().numpy(), slots, labels=[f"req {b} prefix"] * 2 + [f"req {b} draft"] * 2)))
 
 # %%
 print("a slot nothing references is NaN in the rebuilt pool:", pool[int(codes.argmin()), 0, :4].tolist())

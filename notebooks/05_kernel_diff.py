@@ -56,4 +56,4 @@ cap, diffs = results["dsv3-3layers.safetensors"]
 d = diffs[0]
 depth = [int(cap.depths(b)[i]) for b in range(cap.batch_size) for i in range(int(cap.num_draft[b]))]
 print("worst:", d.worst)
-Image(plots.to_png(plots.error_map_figure(d.row_rel.numpy(), depth, title=f"{impl} vs oracle, layer {d.layer}")))
+Image(plots.to_png(plots.error_map_figure(d.row_rel.numpy(), depth, request_starts=cap.qo_indptr[:-1].tolist(), title=f"{impl} vs oracle, layer {d.layer}: rel error per (node, head)")))

@@ -158,3 +158,31 @@ def test_the_explorer_says_when_a_smaller_tree_moves_the_node():
     assert ex.state.renders == renders + 1 and ex.state.view == "draft block"
     ex.capture.value = "kimi-dp-h64.safetensors"  # N = 13
     assert ex.state.node == 12 and "node 60 is past this request's N = 13" in ex.state.note
+
+
+def test_the_pool_map_names_every_colour_and_no_two_requests_share_one():
+    from kdtree import plots
+
+    pairs = plots.request_colors(16)
+    assert len({c for pair in pairs for c in pair}) == 32  # 16 requests, prefix and draft each their own
+    codes = plots.pool_codes(2528, [np.array([1 + b]) for b in range(16)], [np.array([100 + b]) for b in range(16)])
+    fig = plots.pool_figure(codes, 16, width=64)
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"free", "slot 0 (padding)", "past the pool's end", "req 15 prefix", "req 15 draft"} <= set(labels)
+    assert "slots 0..2,527 (slot 0 is padding, 2,527 allocatable)" in ax.get_title()
+    assert [t.get_text() for t in ax.get_xticklabels()][:2] == ["+0", "+16"]
+
+
+def test_the_row_and_error_figures_label_their_scales():
+    from kdtree import plots
+
+    rows = np.random.default_rng(0).normal(size=(2, 576))
+    fig = plots.kv_row_figure(rows, [7, 9], labels=["req 0 prefix", "req 0 draft"])
+    assert "[slots, 1, 576] bf16, 1,152 B a row" in fig.axes[0].get_title()
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["slot 7 (req 0 prefix)", "slot 9 (req 0 draft)"]
+    assert fig.axes[1].get_ylabel() == "value"
+    err = plots.error_map_figure(np.full((6, 4), 1e-3), np.array([0, 1, 1, 0, 1, 2]), request_starts=[0, 3])
+    labels = {a.get_ylabel() for a in err.axes}
+    assert {"log10(rel error)", "depth in the tree"} <= labels
+    assert [t.get_text().strip() for t in err.axes[0].texts] == ["req 0", "req 1"]
