@@ -243,6 +243,34 @@ def mask_fault_figure(correct: np.ndarray, faulted: np.ndarray, prefix_len: int,
     return fig
 
 
+def key_reads_figure(prefix_slots: np.ndarray, draft_slots: np.ndarray, read_slots: np.ndarray, *, title: str = "") -> Figure:
+    """The keys a request's queries must see - its prefix slots (`kv_indices`) then its draft slots
+    (`out_cache_loc`) - against the slots a kernel reads (`read_slots`): every key it misses is marked."""
+    prefix_slots, draft_slots = np.asarray(prefix_slots), np.asarray(draft_slots)
+    must = np.concatenate([prefix_slots, draft_slots])
+    read = np.isin(must, np.asarray(read_slots))
+    p, n = len(prefix_slots), len(draft_slots)
+    kind = np.where(np.arange(len(must)) < p, 0, 1)  # 0 prefix, 1 draft
+    img = np.stack([kind, np.where(read, kind, 2)])  # row 0: must read; row 1: read (2 = missed)
+    cmap = ListedColormap(["#9ecae1", "#08519c", "#e63946"])
+    fig = Figure(figsize=(11, 2.8), layout="constrained")
+    ax = fig.subplots()
+    ax.imshow(img, cmap=cmap, vmin=0, vmax=2, aspect="auto", interpolation="nearest")
+    ax.axvline(p - 0.5, color="black", lw=1)
+    ax.set_yticks([0, 1], ["must read", "kernel reads"])
+    ax.set_xlabel(f"key (combined list: {p} prefix keys from kv_indices, then {n} draft keys at out_cache_loc)")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    missed = int((~read).sum())
+    ax.set_title(title or f"{missed} of {len(must)} keys never read")
+    handles = [
+        Patch(color=cmap(0), label="prefix key"),
+        Patch(color=cmap(1), label="draft key"),
+        Patch(color=cmap(2), label="missed"),
+    ]
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
 # ----- trees ---------------------------------------------------------------------------------------
 def tree_layout(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(x, y) of every node: y = depth, x = leaves in depth-first order, parents centred over children."""

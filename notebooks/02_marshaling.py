@@ -76,7 +76,8 @@ Image(plots.to_png(plots.mask_figure(block.numpy(), step.prefix_len, first_col=s
 # %%
 for fault, what in [(None, "correct")] + list(FAULTS.items()):
     (d,) = diff_capture(cap, "model", fault=fault, device="cpu")
-    print(f"{fault or 'correct':15s} {d.line()}\n{'':15s} ({what})")
+    verdict = "PASS" if d.passed else "FAIL"
+    print(f"{fault or 'correct':15s} {verdict} (tolerance rel <= {d.tolerance:g})  {d.line()}\n{'':15s} ({what})")
 
 # %%
 wrong = marshal(cap, "prefix-stride").steps[b]
@@ -86,3 +87,4 @@ Image(plots.to_png(plots.mask_fault_figure(step.tree_block.numpy(), wrong.tree_b
 # %%
 only = marshal(cap, "prefix-only-kv").steps[b]
 print(f"prefix-only-kv: {len(only.combined_slots)} keys instead of {len(step.combined_slots)}; the {step.num_draft} draft keys at out_cache_loc are never read")
+Image(plots.to_png(plots.key_reads_figure(step.prefix_slots.numpy(), step.draft_slots.numpy(), only.combined_slots.numpy(), title=f"request {b}: the keys prefix-only-kv reads against the keys it must")))

@@ -186,3 +186,16 @@ def test_the_row_and_error_figures_label_their_scales():
     labels = {a.get_ylabel() for a in err.axes}
     assert {"log10(rel error)", "depth in the tree"} <= labels
     assert [t.get_text().strip() for t in err.axes[0].texts] == ["req 0", "req 1"]
+
+
+def test_the_key_reads_figure_counts_the_draft_keys_prefix_only_kv_misses():
+    from kdtree import plots
+    from kdtree.marshal import marshal
+
+    cap = _mask_capture()
+    b = 3
+    good, only = marshal(cap).steps[b], marshal(cap, "prefix-only-kv").steps[b]
+    fig = plots.key_reads_figure(good.prefix_slots.numpy(), good.draft_slots.numpy(), only.combined_slots.numpy())
+    assert fig.axes[0].get_title() == f"{good.num_draft} of {good.prefix_len + good.num_draft} keys never read"
+    ok = plots.key_reads_figure(good.prefix_slots.numpy(), good.draft_slots.numpy(), good.combined_slots.numpy())
+    assert ok.axes[0].get_title().startswith("0 of")
