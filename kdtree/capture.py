@@ -354,6 +354,20 @@ def load(path: str | os.PathLike, *, validate: bool = True) -> Capture:
     return cap
 
 
+def capture_files(where: str | os.PathLike) -> list[Path]:
+    """A capture file as given, or the capture files (*.safetensors) of a directory, sorted; ValueError naming
+    the path when it does not exist or the directory holds none."""
+    p = Path(where).expanduser()
+    if p.is_dir():
+        found = sorted(p.glob("*.safetensors"))
+        if not found:
+            raise ValueError(f"{p}: a directory with no capture files (*.safetensors)")
+        return found
+    if not p.exists():
+        raise ValueError(f"{p}: no such file or directory")
+    return [p]
+
+
 def save(capture: Capture, path: str | os.PathLike, *, private: bool = False) -> Path:
     """Write atomically: a temporary file in the same folder, fsynced, then renamed over `path`. The file gets
     the mode a plain open() would give it, or, `private`, 0600 (owner only: a server's captures hold

@@ -56,16 +56,9 @@ def _int_list(text: str, what: str) -> list[int]:
 
 def _capture_paths(paths: List[Path]) -> list[Path]:
     """Files as given; a directory stands for the capture files (*.safetensors) in it."""
-    out = []
-    for p in paths:
-        if p.is_dir():
-            found = sorted(p.glob("*.safetensors"))
-            if not found:
-                raise ValueError(f"{p}: a directory with no capture files (*.safetensors)")
-            out += found
-        else:
-            out.append(p)
-    return out
+    from kdtree.capture import capture_files
+
+    return [f for p in paths for f in capture_files(p)]
 
 
 def _progress(total: int, label: str) -> Progress:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import matplotlib
 import matplotlib.ticker
 import numpy as np
@@ -268,6 +270,37 @@ def key_reads_figure(prefix_slots: np.ndarray, draft_slots: np.ndarray, read_slo
         Patch(color=cmap(2), label="missed"),
     ]
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def requests_figure(summary: dict) -> Figure:
+    """A capture's requests (`kdtree.info.summarize`): the keys each request's queries see - prefix, then its N
+    draft tokens - and how scattered its slots lie in the pool (runs of consecutive slots)."""
+    reqs = summary["requests"]
+    b = np.arange(len(reqs))
+    prefix = np.array([r["prefix_len"] for r in reqs])
+    draft = np.array([r["num_draft"] for r in reqs])
+    runs = np.array([r["slot_runs"] for r in reqs])
+    fig = Figure(figsize=(11, 1.8 + 0.35 * len(reqs)), layout="constrained")
+    ax, ax2 = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [3, 1]})
+    ax.barh(b, prefix, color="#9ecae1", label="prefix keys (kv_indices)")
+    ax.barh(b, draft, left=prefix, color="#08519c", label="draft tokens N (out_cache_loc)")
+    for i in b:
+        ax.text(prefix[i] + draft[i], i, f" {prefix[i]:,} + {draft[i]}", va="center", fontsize=8)
+    ax.set_yticks(b, [f"req {i}" for i in b])
+    ax.invert_yaxis()
+    ax.set_xlabel("keys a request's queries see (prefix_len + N)")
+    ax.set_xlim(0, (prefix + draft).max() * 1.25 + 1)
+    ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncols=2, frameon=False)  # above the bars
+    ax2.barh(b, runs, color="#6a51a3")
+    ax2.set_xlabel("runs of consecutive slots")
+    ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    pool = summary["pool"]
+    fig.suptitle(
+        f"{Path(summary['path']).name}: {len(reqs)} request(s), {summary['num_heads']} heads; pool "
+        f"{pool['referenced_slots']:,} of {pool['pool_size']:,} slots referenced, mean run {pool['mean_run_length']:.1f}",
+        fontsize=10,
+    )
     return fig
 
 

@@ -13,8 +13,35 @@ import ipywidgets as W
 from IPython.display import Image, display
 
 from kdtree import plots
-from kdtree.capture import Capture, load
+from kdtree.capture import Capture, capture_files, load
 from kdtree.validate import tree_block_problem
+
+SHIPPED = Path(__file__).resolve().parents[1] / "data" / "captured_batches"
+
+
+class CapturePicker:
+    """Pick the notebook's captures: a shipped one from the list, or any file or directory of yours typed in
+    the path box (it wins when filled). Re-run the cells below after changing it."""
+
+    def __init__(self, default: str | None = None, *, directory: Path = SHIPPED):
+        shipped = sorted(directory.glob("*.safetensors"))
+        self.shipped = {p.name: p for p in shipped}
+        self.dropdown = W.Dropdown(
+            options=list(self.shipped), value=default or (shipped[0].name if shipped else None), description="shipped"
+        )
+        self.path = W.Text(placeholder="or a capture file or directory of yours", description="path", layout={"width": "60%"})
+        self.widget = W.VBox([self.dropdown, self.path])
+
+    @property
+    def paths(self) -> list[Path]:
+        """The captures picked (several when the path names a directory)."""
+        if self.path.value.strip():
+            return capture_files(self.path.value.strip())
+        return [self.shipped[self.dropdown.value]]
+
+    def load(self) -> Capture:
+        """The first capture picked, validated."""
+        return load(self.paths[0])
 
 
 @dataclass

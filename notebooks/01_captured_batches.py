@@ -10,20 +10,24 @@
 
 # %% [markdown]
 # # Captured batches
-# Pick a capture, validate it, summarise each request, and look at the raw SGLang tensors of one request.
+# Pick a capture (a shipped one, or a file or directory of yours), validate it, summarise each request, and look at
+# the raw SGLang tensors of one request. Change the picker, then re-run the cells below it.
 
 # %%
-from pathlib import Path
+from IPython.display import Image
 
-import kdtree
+from kdtree import plots
 from kdtree.info import format_summary, summarize
+from kdtree.widgets import CapturePicker
 
-CAPTURES = sorted(Path("../data/captured_batches").glob("*.safetensors"))
-[p.name for p in CAPTURES]
+picker = CapturePicker("mixed-prefix.safetensors")  # a shipped capture, or type a file or directory of yours
+picker.widget
 
 # %%
-cap = kdtree.load(CAPTURES[0])  # validates: a broken capture raises CaptureError naming the rule
-print(format_summary(summarize(cap)))
+cap = picker.load()  # validates: a broken capture raises CaptureError naming the rule
+summary = summarize(cap)
+print(format_summary(summary))
+Image(plots.to_png(plots.requests_figure(summary)))
 
 # %% [markdown]
 # ## The raw tensors of one request
@@ -32,5 +36,6 @@ print(format_summary(summarize(cap)))
 # %%
 b = 0
 print("prefix slots (kv_indices slice):", cap.prefix_slots(b)[:16].tolist(), "...")
-print("draft slots (out_cache_loc slice):", cap.draft_slots(b).tolist())
+draft = cap.draft_slots(b).tolist()
+print(f"draft slots (out_cache_loc slice): {len(draft)} slots:", draft[:8], "..." if len(draft) > 8 else "")
 print("mask rows: shape", tuple(cap.mask_rows(b).shape), "(row stride = prefix_len + N)")

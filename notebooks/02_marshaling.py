@@ -14,17 +14,19 @@
 # historical bugs injected beside the correct path.
 
 # %%
-from pathlib import Path
-
 from IPython.display import Image
 
-import kdtree
 from kdtree import plots
 from kdtree.impls import diff_capture
 from kdtree.marshal import FAULTS, marshal, unpack_bits
+from kdtree.widgets import CapturePicker
 
-cap = kdtree.load(Path("../data/captured_batches/ddtree64-bs3.safetensors"))
-b = 1
+picker = CapturePicker("ddtree64-bs3.safetensors")  # or type a capture file or directory of yours; re-run below
+picker.widget
+
+# %%
+cap = picker.load()
+b = min(1, cap.batch_size - 1)  # the request this notebook follows
 args = marshal(cap)
 step = args.steps[b]
 print(cap)

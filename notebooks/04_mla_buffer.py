@@ -14,15 +14,17 @@
 # draft slots (`out_cache_loc`). Then chosen rows as values: 512 latent columns (c_KV, also V) | 64 rope (k_pe).
 
 # %%
-from pathlib import Path
-
 from IPython.display import Image
 
-import kdtree
 from kdtree import plots
 from kdtree.info import summarize
+from kdtree.widgets import CapturePicker
 
-cap = kdtree.load(Path("../data/captured_batches/mixed-prefix.safetensors"))
+picker = CapturePicker("mixed-prefix.safetensors")  # or type a capture file or directory of yours; re-run below
+picker.widget
+
+# %%
+cap = picker.load()
 m = cap.meta
 codes = plots.pool_codes(m.pool_size + m.page_size, [cap.prefix_slots(b).numpy() for b in range(cap.batch_size)],
                          [cap.draft_slots(b).numpy() for b in range(cap.batch_size)])
@@ -36,10 +38,11 @@ for r in s["requests"]:
     print(f"request {r['request']}: prefix {r['prefix_len']:5d}, N {r['num_draft']}, {r['slot_runs']} runs of consecutive slots")
 
 # %%
-b = 4
-slots = [int(cap.prefix_slots(b)[0]), int(cap.prefix_slots(b)[1]), int(cap.draft_slots(b)[0]), int(cap.draft_slots(b)[1])]
+b = max(range(cap.batch_size), key=lambda r: int(cap.prefix_lens[r]))  # the request with the longest prefix
+slots = [*map(int, cap.prefix_slots(b)[:2]), *map(int, cap.draft_slots(b)[:2])]
 pool = cap.pool(0)
-Image(plots.to_png(plots.kv_row_figure(pool[slots, 0].float().numpy(), slots, labels=[f"req {b} prefix"] * 2 + [f"req {b} draft"] * 2)))
+labels = [f"req {b} prefix"] * min(2, int(cap.prefix_lens[b])) + [f"req {b} draft"] * min(2, int(cap.num_draft[b]))
+Image(plots.to_png(plots.kv_row_figure(pool[slots, 0].float().numpy(), slots, labels=labels)))
 
 # %%
 print("a slot nothing references is NaN in the rebuilt pool:", pool[int(codes.argmin()), 0, :4].tolist())

@@ -18,8 +18,6 @@
 # and merge, in torch).
 
 # %%
-from pathlib import Path
-
 from IPython.display import Image
 
 import kdtree
@@ -27,6 +25,7 @@ from kdtree import plots
 from kdtree.diff import DEFAULT_TOLERANCE
 from kdtree.impls import default_impl, diff_capture, gpu_available
 from kdtree.kernel import KernelConfig, device_arch, nvrtc_arch, nvrtc_compile, parse_ptxas
+from kdtree.widgets import CapturePicker
 
 GPU = gpu_available()
 impl = default_impl()  # "cuda" with a GPU and CuPy, else "model": as `kdtree diff`
@@ -40,7 +39,11 @@ for arch in targets:
         print(r.line())
 
 # %%
-captures = [Path("../data/captured_batches/dsv3-3layers.safetensors"), Path("../data/captured_batches/extreme-logits.safetensors")]
+picker = CapturePicker("dsv3-3layers.safetensors")  # or a capture file or directory of yours (a directory: all of it)
+picker.widget
+
+# %%
+captures = picker.paths
 results = {}
 for path in captures:
     cap = kdtree.load(path)
@@ -52,7 +55,7 @@ every = [d for _, ds in results.values() for d in ds]
 print(f"{'PASS' if all(d.passed for d in every) else 'FAIL'}: {len(every)} layer(s) of {len(results)} capture(s), tolerance rel <= {DEFAULT_TOLERANCE:g}")
 
 # %%
-cap, diffs = results["dsv3-3layers.safetensors"]
+cap, diffs = next(iter(results.values()))  # the first capture's first layer
 d = diffs[0]
 depth = [int(cap.depths(b)[i]) for b in range(cap.batch_size) for i in range(int(cap.num_draft[b]))]
 print("worst:", d.worst)

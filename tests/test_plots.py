@@ -199,3 +199,33 @@ def test_the_key_reads_figure_counts_the_draft_keys_prefix_only_kv_misses():
     assert fig.axes[0].get_title() == f"{good.num_draft} of {good.prefix_len + good.num_draft} keys never read"
     ok = plots.key_reads_figure(good.prefix_slots.numpy(), good.draft_slots.numpy(), good.combined_slots.numpy())
     assert ok.axes[0].get_title().startswith("0 of")
+
+
+def test_the_capture_picker_takes_a_shipped_file_or_any_path_or_directory(tmp_path):
+    pytest.importorskip("ipywidgets")
+    from kdtree.widgets import CapturePicker
+
+    shipped = sorted((ROOT / "data/captured_batches").glob("*.safetensors"))
+    picker = CapturePicker("mixed-prefix.safetensors")
+    assert picker.paths == [ROOT / "data/captured_batches/mixed-prefix.safetensors"]
+    assert picker.load().batch_size == 5
+    picker.path.value = str(ROOT / "data/captured_batches")  # a directory: every capture in it
+    assert picker.paths == shipped
+    picker.path.value = str(tmp_path)
+    with pytest.raises(ValueError, match="no capture files"):
+        picker.paths
+    picker.path.value = str(tmp_path / "nope.safetensors")
+    with pytest.raises(ValueError, match="no such file"):
+        picker.paths
+
+
+def test_the_requests_figure_shows_every_requests_keys():
+    from kdtree import plots
+    from kdtree.info import summarize
+
+    s = summarize(_mask_capture())
+    fig = plots.requests_figure(s)
+    texts = [t.get_text().strip() for t in fig.axes[0].texts]
+    assert texts == [f"{r['prefix_len']:,} + {r['num_draft']}" for r in s["requests"]]
+    pool = s["pool"]
+    assert f"{pool['referenced_slots']:,} of {pool['pool_size']:,} slots referenced" in fig._suptitle.get_text()
