@@ -213,10 +213,10 @@ def test_the_capture_picker_takes_a_shipped_file_or_any_path_or_directory(tmp_pa
     assert picker.paths == shipped
     picker.path.value = str(tmp_path)
     with pytest.raises(ValueError, match="no capture files"):
-        picker.paths
+        picker.load()
     picker.path.value = str(tmp_path / "nope.safetensors")
     with pytest.raises(ValueError, match="no such file"):
-        picker.paths
+        picker.load()
 
 
 def test_the_requests_figure_shows_every_requests_keys():
