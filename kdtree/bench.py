@@ -446,16 +446,23 @@ def summary_table(result: dict) -> str:
     gath = bool(ceil.get("gather_l2_tbps"))
     fi = any("flashinfer" in c["impls"] for c in result["cases"])
     width = max([28] + [len(c["name"]) for c in result["cases"]])
-    head = f"{result['device']}: bf16 matmul {ceil['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s"
-    if result.get("kernel_sources"):
-        head = f"kernels {result['kernel_sources']}; {head}"
+    head = [f"{result['device']}" + (f", kernels {result['kernel_sources']}" if result.get("kernel_sources") else "")]
+    rates = f"ceilings in this run: bf16 matmul {ceil['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s"
     if mma:
-        head += f", mma.sync {ceil['mma_sync_raw_tflops']:.0f} raw / {ceil['mma_sync_ldmatrix_tflops']:.0f} ldmatrix-fed TFLOP/s"
+        rates += f", mma.sync {ceil['mma_sync_raw_tflops']:.0f} raw / {ceil['mma_sync_ldmatrix_tflops']:.0f} ldmatrix-fed TFLOP/s"
+    head.append(rates)
     if gath:
-        head += f", gather L2 {ceil['gather_l2_tbps']:.2f} TB/s ({ceil.get('gather_l2_2stages_tbps', float('nan')):.2f} with 2 stages)"
-        head += f", HBM {ceil.get('gather_hbm_tbps', float('nan')):.2f}"
+        head.append(
+            f"gather: L2 {ceil['gather_l2_tbps']:.2f} TB/s ({ceil.get('gather_l2_2stages_tbps', float('nan')):.2f} with 2 stages), "
+            f"HBM {ceil.get('gather_hbm_tbps', float('nan')):.2f} TB/s"
+        )
+    if mma:  # the columns are fractions of ceilings measured with other instructions: say so
+        head += [
+            "%mma / %ldsm: TFLOP/s as a fraction of the mma.sync ceilings (raw; fed by ldmatrix from shared memory),",
+            "  the sm_120 path's yardsticks; Hopper's warpgroup MMAs are not bound by them and pass 100 %",
+        ]
     lines = [
-        head,
+        *head,
         f"{'case':{width}s} {'kdtree ms':>10s} {'sglang ms':>10s} {'torch ms':>10s} {'speedup':>8s} {'TF/s':>6s} {'floor ms':>9s} {'%floor':>7s}"
         + (f" {'%matmul':>8s} {'%mma':>6s} {'%ldsm':>6s}" if mma else "")
         + (f" {'gath TB/s':>9s} {'%gath':>6s}" if gath else "")

@@ -378,14 +378,17 @@ def save(capture: Capture, path: str | os.PathLike, *, private: bool = False) ->
     metadata = {"kdtree": header_json(capture.meta)}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    if not private:  # mkstemp creates 0600; give the file the mode a plain open() would
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
     try:
         save_file(capture.tensor_dict(), tmp, metadata=metadata)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        # after save_file, which leaves its file 0600 whatever the file was before
+        if private:
+            os.chmod(tmp, 0o600)
+        else:  # the mode a plain open() would give
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

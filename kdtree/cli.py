@@ -126,7 +126,7 @@ def synth(
     )
     cap = synthesize(spec, device="cuda" if reference == "sglang" else "cpu", reference=reference)
     save(cap, output)
-    typer.echo(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB): {cap!r}")
+    typer.echo(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB): {load(output)!r}")  # read back: it validates
 
 
 @app.command()

@@ -220,3 +220,22 @@ def test_uint8_mask_as_under_cuda_graphs_is_accepted(tmp_path, tiny):
     t["custom_mask"] = t["custom_mask"].to(torch.uint8)
     back = load(write_raw(tmp_path / "u8.safetensors", t, tiny.meta))
     assert torch.equal(back.tree_block(2), tiny.tree_block(2))
+
+
+def test_a_saved_file_has_the_mode_open_gives_or_0600_when_private(tmp_path):
+    """save_file (safetensors) leaves its files 0600; a shared capture gets the umask's mode, a server's own
+    capture (private: activations derived from users' prompts) stays 0600."""
+    import os
+    import stat
+
+    from kdtree.capture import save
+
+    cap = small()
+    umask = os.umask(0o022)
+    try:
+        public = save(cap, tmp_path / "a.safetensors")
+        private = save(cap, tmp_path / "b.safetensors", private=True)
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(public.stat().st_mode) == 0o644
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
