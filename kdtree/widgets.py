@@ -67,7 +67,8 @@ def request_checks(cap: Capture) -> list[str]:
 
 
 class DDTreeExplorer:
-    """Capture, request, view (whole mask or draft block), zoom and node; draws the mask and the tree."""
+    """Capture, request, view (whole mask or draft block), zoom and node; draws the mask and the tree. The `add`
+    box takes a capture file or directory of the user's."""
 
     def __init__(self, paths: list[Path]):
         self.paths = {Path(p).name: Path(p) for p in paths}
@@ -85,12 +86,46 @@ class DDTreeExplorer:
             tooltip="whole mask: show the last 1/zoom of the columns (the draft end)",
         )
         self.node = W.IntSlider(description="node", min=0, max=0)
+        self.add = W.Text(
+            placeholder="add a capture file or directory of yours (Enter)",
+            description="add",
+            continuous_update=False,  # the value changes on Enter or leaving the box
+            layout={"width": "60%"},
+        )
+        self.message = W.HTML()
         self.out = W.Output()
         self.capture.observe(self._on_capture, names="value")
+        self.add.observe(lambda change: change["new"].strip() and self.add_captures(change["new"]), names="value")
         for w in (self.request, self.view, self.zoom, self.node):
             w.observe(lambda _change: self.render(), names="value")
-        self.widget = W.VBox([W.HBox([self.capture, self.request]), W.HBox([self.view, self.zoom]), self.node, self.out])
+        self.widget = W.VBox(
+            [
+                W.HBox([self.capture, self.request]),
+                W.HBox([self.view, self.zoom]),
+                self.node,
+                W.HBox([self.add, self.message]),
+                self.out,
+            ]
+        )
         self._on_capture(None)
+
+    def add_captures(self, where: str) -> list[str]:
+        """Add a capture file, or a directory's captures, to the dropdown and show the first; the names added.
+        A path that holds none is said beside the box, not raised."""
+        try:
+            found = capture_files(where.strip())
+        except ValueError as e:
+            self.message.value = f"<span style='color:#c0392b'>{e}</span>"
+            return []
+        new = {}
+        for p in found:
+            name = p.name if p.name not in self.paths or self.paths[p.name] == p else str(p)
+            new[name] = p
+        self.paths.update(new)
+        self.capture.options = list(self.paths)
+        self.capture.value = next(iter(new))
+        self.message.value = f"added {len(new)} capture(s)"
+        return list(new)
 
     def _on_capture(self, _change) -> None:
         self._cap = load(self.paths[self.capture.value])

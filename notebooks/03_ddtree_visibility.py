@@ -12,7 +12,8 @@
 # # DDTree visibility
 # Pick a capture, a request and a node: the mask (whole, downsampled without losing isolated cells, or the
 # N x N draft block) and the tree drawn from it (parent = deepest proper ancestor), the node's row and its
-# path to the root highlighted. Below the figures: the loader's tree checks, per request.
+# path to the root highlighted. Below the figures: the loader's tree checks, per request. The shipped captures are
+# in the list; type a capture file or directory of yours in the `add` box to explore it.
 
 # %%
 from pathlib import Path

@@ -229,3 +229,19 @@ def test_the_requests_figure_shows_every_requests_keys():
     assert texts == [f"{r['prefix_len']:,} + {r['num_draft']}" for r in s["requests"]]
     pool = s["pool"]
     assert f"{pool['referenced_slots']:,} of {pool['pool_size']:,} slots referenced" in fig._suptitle.get_text()
+
+
+def test_the_explorer_takes_captures_of_yours(tmp_path):
+    pytest.importorskip("ipywidgets")
+    import shutil
+
+    from kdtree.widgets import DDTreeExplorer
+
+    shipped = ROOT / "data/captured_batches"
+    ex = DDTreeExplorer([shipped / "ddtree256.safetensors"])
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    shutil.copy(shipped / "kimi-dp-h64.safetensors", mine / "kimi-dp-h64.safetensors")
+    assert ex.add_captures(str(mine)) == ["kimi-dp-h64.safetensors"]
+    assert ex.state.capture == "kimi-dp-h64.safetensors" and "added 1" in ex.message.value
+    assert ex.add_captures(str(tmp_path / "nothing")) == [] and "no such file" in ex.message.value
