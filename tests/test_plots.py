@@ -65,9 +65,11 @@ def test_bench_summary_reports_fractions_of_every_ceiling_and_the_geomean():
     # each case's fractions of the matmul and both mma.sync ceilings, from its own rate and the measured ceilings,
     # and its gather rate (the plan's units x 32 rows x 1,152 B a second) against the L2 gather ceiling
     ceil = result["ceilings"]
-    assert "mma.sync" in table[0] and f"gather L2 {ceil['gather_l2_tbps']:.2f} TB/s" in table[0]
-    assert table[1].split()[-6:] == ["%matmul", "%mma", "%ldsm", "gath", "TB/s", "%gath"]
-    for c, line in zip(result["cases"], table[2:]):
+    cols = next(i for i, line in enumerate(table) if line.startswith("case"))  # the header lines come first
+    header = "\n".join(table[:cols])
+    assert "mma.sync" in header and f"gather: L2 {ceil['gather_l2_tbps']:.2f} TB/s" in header
+    assert table[cols].split()[-6:] == ["%matmul", "%mma", "%ldsm", "gath", "TB/s", "%gath"]
+    for c, line in zip(result["cases"], table[cols + 1 :]):
         k = c["impls"]["kdtree"]
         fr = ceiling_fractions(k["tflops"], ceil)
         gath = gathered_bytes(k["units"], 32) / k["ms"] / 1e9
