@@ -60,3 +60,21 @@ d = diffs[0]
 depth = [int(cap.depths(b)[i]) for b in range(cap.batch_size) for i in range(int(cap.num_draft[b]))]
 print("worst:", d.worst)
 Image(plots.to_png(plots.error_map_figure(d.row_rel.numpy(), depth, request_starts=cap.qo_indptr[:-1].tolist(), title=f"{impl} vs oracle, layer {d.layer}: rel error per (node, head)")))
+
+# %% [markdown]
+# ## A/B: your edit against the committed kernel
+# `kernels/` as `HEAD` has it is built as a second module beside your edited one: the resources on each target
+# (no GPU needed), and on a GPU the error against the oracle and the time of each on the picked captures.
+# Change `REF` to compare against another commit.
+
+# %%
+from kdtree.ab import committed_source, compile_ab, format_compile_ab, run_ab
+
+REF = "HEAD"
+committed = committed_source(REF)
+print(format_compile_ab(compile_ab(targets, committed), names=(REF, "edited")))
+if GPU:
+    for r in run_ab([kdtree.load(p) for p in captures], committed):
+        print(f"{r['capture']} L{r['layer']}: rel {r['rel_a']:.3e} -> {r['rel_b']:.3e}, {r['ms_a']:.3f} -> {r['ms_b']:.3f} ms")
+else:
+    print("no GPU here: error and time need one (the resources above are the kernels' own, from NVRTC)")

@@ -201,3 +201,27 @@ def test_a_directory_stands_for_its_captures_as_the_readme_writes_it(tmp_path):
     assert sorted(s["path"] for s in json.loads(r.stdout)) == sorted(str(p) for p in SHIPPED)
     r = kdtree("diff", tmp_path)
     assert r.returncode == 2 and "no capture files" in r.stderr and r.stdout == ""
+
+
+def test_ab_builds_the_committed_kernel_beside_the_edited_one(tmp_path):
+    """kdtree.ab: HEAD's kernels/ from git, compiled beside another tree's; identical trees show no change, a
+    broken edit names its line, a ref git does not know is bad input."""
+    pytest.importorskip("cuda.bindings")
+    import shutil
+
+    from kdtree.ab import committed_source, compile_ab, format_compile_ab
+    from kdtree.kernel import KERNEL_DIR, KernelCompileError
+
+    head = committed_source("HEAD")
+    assert head.name == "verify_mla.cu" and head.parent.name == "kernels" and head != KERNEL_DIR / "verify_mla.cu"
+    copy = tmp_path / "kernels"
+    shutil.copytree(head.parent, copy)
+    rows = compile_ab(["sm_120"], head, copy / "verify_mla.cu")
+    assert {r["kernel"] for r in rows} == {"verify_mla_fwd", "verify_mla_merge"}
+    assert all(r["registers"][0] == r["registers"][1] for r in rows) and "changed" not in format_compile_ab(rows)
+    src = copy / "verify_mla.cu"
+    src.write_text(src.read_text() + "\nthis is not CUDA;\n")
+    with pytest.raises(KernelCompileError, match="this is not CUDA"):
+        compile_ab(["sm_120"], head, src)
+    with pytest.raises(ValueError, match="not a commit"):
+        committed_source("no-such-ref-anywhere")

@@ -142,10 +142,11 @@ class VerifyKernel:
 
     _cache: dict[tuple, "VerifyKernel"] = {}
 
-    def __init__(self, config: KernelConfig | tuple[KernelConfig, ...] | None = None):
+    def __init__(self, config: KernelConfig | tuple[KernelConfig, ...] | None = None, source: Path = SOURCE):
         import cupy
 
         self.cupy = cupy
+        self.source = source  # kernels/verify_mla.cu, or another tree's copy (an A/B against a commit)
         self.configs = configs_for(config)
         self.config = self.configs[0]
         self._fns: dict[KernelConfig, tuple] = {}
@@ -163,10 +164,14 @@ class VerifyKernel:
                 if config.wgmma:
                     module = self._cubin_module(config)
                 else:
-                    module = self.cupy.RawModule(code=SOURCE.read_text(), options=compile_options(config))
+                    module = self.cupy.RawModule(
+                        code=self.source.read_text(), options=compile_options(config, source=self.source)
+                    )
                 fwd, merge = module.get_function(FWD), module.get_function(MERGE)
             except self.cupy.cuda.compiler.CompileException as e:
-                raise KernelCompileError(f"{SOURCE.name} does not compile:\n" + format_compile_error(str(e))) from None
+                raise KernelCompileError(
+                    f"{self.source.name} does not compile:\n" + format_compile_error(str(e), self.source)
+                ) from None
             fwd.max_dynamic_shared_size_bytes = config.smem_bytes
             self._fns[config] = (module, fwd, merge)
         return self._fns[config]
@@ -176,15 +181,16 @@ class VerifyKernel:
         sm_90a): `sm90a_module`."""
         if device_arch() != "sm_90":
             raise KernelCompileError(f"the wgmma configuration runs on sm_90 (Hopper) only, not on {device_arch()}")
-        return sm90a_module(self.cupy, SOURCE, compile_options(config), FWD)
+        return sm90a_module(self.cupy, self.source, compile_options(config, source=self.source), FWD)
 
     @classmethod
-    def get(cls, config: KernelConfig | tuple[KernelConfig, ...] | None = None) -> "VerifyKernel":
-        """The compiled kernel, recompiled when kernels/*.cu or a header it includes changed."""
+    def get(cls, config: KernelConfig | tuple[KernelConfig, ...] | None = None, source: Path = SOURCE) -> "VerifyKernel":
+        """The compiled kernel, recompiled when kernels/*.cu or a header it includes changed (`source`: another
+        tree's verify_mla.cu)."""
         configs = configs_for(config)
-        key = (source_hash(), configs, torch.cuda.current_device())
+        key = (str(source.resolve()), source_hash(source), configs, torch.cuda.current_device())
         if key not in cls._cache:
-            cls._cache[key] = cls(configs)
+            cls._cache[key] = cls(configs, source)
         return cls._cache[key]
 
     def plan(self, args: VerifyArgs, num_heads: int) -> LaunchPlan:

@@ -173,8 +173,9 @@ def parse_ptxas(log: str, arch: str, config: KernelConfig) -> list[KernelResourc
     return out
 
 
-def compile_report(arch: str, config: KernelConfig | None = None) -> list[KernelResources]:
-    """Resources of every kernel for `arch`, with the configuration that target runs (or `config`)."""
+def compile_report(arch: str, config: KernelConfig | None = None, source: Path = SOURCE) -> list[KernelResources]:
+    """Resources of every kernel for `arch`, with the configuration that target runs (or `config`), of
+    kernels/verify_mla.cu (or `source`)."""
     config = config or KernelConfig.for_arch(arch)
-    _, log = nvrtc_compile(arch, config)
+    _, log = nvrtc_compile(arch, config, source=source)
     return parse_ptxas(log, nvrtc_arch(arch, config), config)
