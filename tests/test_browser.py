@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -109,11 +110,9 @@ def git_status(clone: Path) -> str:
     return subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True, check=True).stdout
 
 
-def test_ddtree_notebook_in_a_real_browser(lab):
-    """Run it, explore through the widgets, save: the figure follows the selection, and the repository is as it
-    was (the outputs live in the ignored .ipynb; the tracked script is unchanged)."""
-    url, clone = lab
-    ARTIFACTS.mkdir(exist_ok=True)
+@contextmanager
+def chromium_page():
+    """A page of headless Chromium at 1400 x 1000."""
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM,
@@ -127,16 +126,31 @@ def test_ddtree_notebook_in_a_real_browser(lab):
                 "--disable-sync",
             ],
         )
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{url}/lab/tree/notebooks/{NOTEBOOK}")
-            page.wait_for_selector(".jp-Notebook", timeout=60_000)
-            try:  # a "Select Kernel" dialog may come first
-                page.locator(".jp-Dialog .jp-mod-accept").click(timeout=8_000)
-            except sync_api.TimeoutError:
-                pass
-            page.locator(".lm-MenuBar-itemLabel").get_by_text("Run", exact=True).click()
-            page.locator(".lm-Menu-itemLabel").get_by_text("Run All Cells", exact=True).click()
+            yield browser.new_page(viewport={"width": 1400, "height": 1000})
+        finally:
+            browser.close()
+
+
+def open_and_run_all(page, url: str, notebook: str) -> None:
+    page.goto(f"{url}/lab/tree/notebooks/{notebook}")
+    page.wait_for_selector(".jp-Notebook", timeout=60_000)
+    try:  # a "Select Kernel" dialog may come first
+        page.locator(".jp-Dialog .jp-mod-accept").click(timeout=8_000)
+    except sync_api.TimeoutError:
+        pass
+    page.locator(".lm-MenuBar-itemLabel").get_by_text("Run", exact=True).click()
+    page.locator(".lm-Menu-itemLabel").get_by_text("Run All Cells", exact=True).click()
+
+
+def test_ddtree_notebook_in_a_real_browser(lab):
+    """Run it, explore through the widgets, save: the figure follows the selection, and the repository is as it
+    was (the outputs live in the ignored .ipynb; the tracked script is unchanged)."""
+    url, clone = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with chromium_page() as page:
+        try:
+            open_and_run_all(page, url, NOTEBOOK)
             page.wait_for_selector(".widget-slider", timeout=90_000)
             page.wait_for_selector(".widget-output img", timeout=60_000)
             before_img = first_image(page)
@@ -160,8 +174,6 @@ def test_ddtree_notebook_in_a_real_browser(lab):
         except Exception:
             page.screenshot(path=str(ARTIFACTS / "ddtree-notebook-failure.png"), full_page=True)
             raise
-        finally:
-            browser.close()
     assert after["capture"] == "mixed-prefix.safetensors"
     assert (after["request"], after["node"]) == ("3", "7")
     assert int(after["renders"]) > int(before["renders"])
@@ -170,3 +182,40 @@ def test_ddtree_notebook_in_a_real_browser(lab):
     assert '"output_type"' in saved  # the save reached the working copy, with its outputs ...
     assert status == "", status  # ... and no tracked file changed
     (ARTIFACTS / "ddtree-notebook-state.json").write_text(json.dumps({"before": before, "after": after}))
+
+
+def test_the_kernel_notebook_sees_an_edit_to_the_kernel(lab):
+    """05 in the Lab: run it; break kernels/verify_mla.cu on disk and re-run the compile cell: the error quotes
+    the edited line; restore it and re-run: the resources are back; the repository ends as it was."""
+    url, clone = lab
+    src = clone / "kernels" / "verify_mla.cu"
+    original = src.read_text()
+    ARTIFACTS.mkdir(exist_ok=True)
+    with chromium_page() as page:
+        try:
+            open_and_run_all(page, url, "05_kernel_diff.ipynb")
+            page.locator(".jp-OutputArea-output", has_text="registers HEAD -> edited").wait_for(timeout=240_000)
+            cell = page.locator(".jp-Notebook .jp-CodeCell", has_text="nvrtc_compile(arch, config)")
+            out = cell.locator(".jp-OutputArea-output")
+
+            def rerun(expect: str) -> str:
+                cell.locator(".jp-InputArea-editor").click()
+                page.keyboard.press("Control+Enter")
+                cell.locator(".jp-OutputArea-output", has_text=expect).first.wait_for(timeout=120_000)
+                return "\n".join(out.all_inner_texts())
+
+            try:
+                src.write_text(original + "\n#error kdtree browser test: an edit the notebook must see\n")
+                broken = rerun("kdtree browser test")
+            finally:
+                src.write_text(original)
+            mended = rerun("verify_mla_fwd")
+            page.screenshot(path=str(ARTIFACTS / "kernel-notebook.png"), full_page=True)
+            page.keyboard.press("Control+s")
+            page.wait_for_timeout(3000)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "kernel-notebook-failure.png"), full_page=True)
+            raise
+    assert "KernelCompileError" in broken and "does not compile" in broken
+    assert "kdtree browser test" not in mended and "sm_120" in mended
+    assert git_status(clone) == ""
