@@ -79,7 +79,7 @@ Image(plots.to_png(plots.mask_figure(block.numpy(), step.prefix_len, first_col=s
 for fault, what in [(None, "correct")] + list(FAULTS.items()):
     (d,) = diff_capture(cap, "model", fault=fault, device="cpu")
     verdict = "PASS" if d.passed else "FAIL"
-    print(f"{fault or 'correct':15s} {verdict} (tolerance rel <= {d.tolerance:g})  {d.line()}\n{'':15s} ({what})")
+    print(f"{fault or 'correct':15s} {verdict} (tolerance rel <= {d.tolerance:g}): {what}\n{'':15s} {d.line()}")
 
 # %%
 wrong = marshal(cap, "prefix-stride").steps[b]

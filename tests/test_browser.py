@@ -219,3 +219,34 @@ def test_the_kernel_notebook_sees_an_edit_to_the_kernel(lab):
     assert "KernelCompileError" in broken and "does not compile" in broken
     assert "kdtree browser test" not in mended and "sm_120" in mended
     assert git_status(clone) == ""
+
+
+def test_the_marshaling_notebook_states_the_real_stride_and_its_verdicts(lab):
+    """02 in the Lab: the stride it prints is the request's prefix_len + N (from the capture, computed here), the
+    faulted stride is named beside it, every figure renders, the verdicts are there, and saving leaves the
+    repository clean."""
+    from kdtree.capture import load
+    from kdtree.marshal import marshal
+
+    url, clone = lab
+    cap = load(clone / "data/captured_batches/ddtree64-bs3.safetensors")  # the notebook's default pick
+    b = min(1, cap.batch_size - 1)
+    step, wrong = marshal(cap).steps[b], marshal(cap, "prefix-stride").steps[b]
+    ARTIFACTS.mkdir(exist_ok=True)
+    with chromium_page() as page:
+        try:
+            open_and_run_all(page, url, "02_marshaling.ipynb")
+            page.locator(".jp-OutputArea-output", has_text="prefix-only-kv:").first.wait_for(timeout=180_000)
+            page.wait_for_function("document.querySelectorAll('.jp-OutputArea-output img').length >= 4", timeout=60_000)
+            text = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
+            page.screenshot(path=str(ARTIFACTS / "marshaling-notebook.png"), full_page=True)
+            page.keyboard.press("Control+s")
+            page.wait_for_timeout(3000)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "marshaling-notebook-failure.png"), full_page=True)
+            raise
+    p, n = step.prefix_len, step.num_draft
+    assert f"row stride = prefix_len + N = {p} + {n} = {p + n}" in text
+    assert f"prefix-stride reads rows at stride {wrong.mask_row_stride} instead of {p + n}" in text
+    assert "correct         PASS" in text and "prefix-only-kv  FAIL" in text and "prefix-stride   FAIL" in text
+    assert git_status(clone) == ""
