@@ -37,8 +37,7 @@ class KernelResources:
         verdict = "ok" if self.ok else "FAIL: " + "; ".join(self.problems)
         return (
             f"{self.arch:7s} {'bm' + str(self.bm) + (f'+f{self.few_rows}' if self.few_rows else '') + ('/b64' if self.blocks64 else ''):8s} {self.name:18s} regs {self.registers:3d}  spill st/ld {self.spill_stores}/{self.spill_loads} B  "
-            f"stack {self.stack_bytes} B  smem {smem:,} B (static {self.static_smem:,} + dynamic {self.dynamic_smem:,})  "
-            f"threads {self.threads}  {verdict}"
+            f"stack {self.stack_bytes} B  smem {smem:,} B ({self.static_smem:,} static)  {self.threads} threads  {verdict}"
         )
 
 
