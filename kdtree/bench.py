@@ -445,7 +445,7 @@ def summary_table(result: dict) -> str:
     mma = bool(ceil.get("mma_sync_raw_tflops") and ceil.get("mma_sync_ldmatrix_tflops"))
     gath = bool(ceil.get("gather_l2_tbps"))
     fi = any("flashinfer" in c["impls"] for c in result["cases"])
-    width = max([28] + [len(c["name"]) for c in result["cases"]])
+    width = max([4] + [len(c["name"]) for c in result["cases"]])
     head = [f"{result['device']}" + (f", kernels {result['kernel_sources']}" if result.get("kernel_sources") else "")]
     rates = f"ceilings in this run: bf16 matmul {ceil['matmul_bf16_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s"
     if mma:
@@ -463,28 +463,28 @@ def summary_table(result: dict) -> str:
         ]
     lines = [
         *head,
-        f"{'case':{width}s} {'kdtree ms':>10s} {'sglang ms':>10s} {'torch ms':>10s} {'speedup':>8s} {'TF/s':>6s} {'floor ms':>9s} {'%floor':>7s}"
-        + (f" {'%matmul':>8s} {'%mma':>6s} {'%ldsm':>6s}" if mma else "")
-        + (f" {'gath TB/s':>9s} {'%gath':>6s}" if gath else "")
+        f"{'case':{width}s} {'kdtree ms':>9s} {'sglang ms':>9s} {'torch ms':>8s} {'speedup':>7s} {'TF/s':>5s} {'floor ms':>8s} {'%floor':>6s}"
+        + (f" {'%matmul':>7s} {'%mma':>5s} {'%ldsm':>5s}" if mma else "")
+        + (f" {'gath TB/s':>9s} {'%gath':>5s}" if gath else "")
         + (f" {'fi ms':>8s} {'x fi':>6s} {'fi backend':>10s}" if fi else ""),
     ]
     for c in result["cases"]:
         k, s, t = (c["impls"].get(n, {}) for n in ("kdtree", "sglang", "torch"))
         f = lambda d, key, fmt: format(d[key], fmt) if key in d else "-"  # noqa: E731
         line = (
-            f"{c['name']:{width}s} {f(k, 'ms', '10.3f')} {f(s, 'ms', '10.3f')} {f(t, 'ms', '10.3f')} {f(k, 'speedup_vs_sglang', '8.2f')} "
-            f"{f(k, 'tflops', '6.0f')} {c['floor_ms']:9.3f} {100 * k.get('floor_fraction', float('nan')):6.0f}%"
+            f"{c['name']:{width}s} {f(k, 'ms', '9.3f')} {f(s, 'ms', '9.3f')} {f(t, 'ms', '8.3f')} {f(k, 'speedup_vs_sglang', '7.2f')} "
+            f"{f(k, 'tflops', '5.0f')} {c['floor_ms']:8.3f} {100 * k.get('floor_fraction', float('nan')):5.0f}%"
         )
         if mma:
             fr = k.get("fraction_of", {})
             line += "".join(
                 f" {100 * fr[key]:{w - 1}.0f}%" if key in fr else f" {'-':>{w}s}"
-                for key, w in (("matmul_bf16", 8), ("mma_sync_raw", 6), ("mma_sync_ldmatrix", 6))
+                for key, w in (("matmul_bf16", 7), ("mma_sync_raw", 5), ("mma_sync_ldmatrix", 5))
             )
         if gath:
             fr = k.get("fraction_of", {})
             line += f" {f(k, 'gather_tbps', '9.2f')}" + (
-                f" {100 * fr['gather_l2']:5.0f}%" if "gather_l2" in fr else f" {'-':>6s}"
+                f" {100 * fr['gather_l2']:4.0f}%" if "gather_l2" in fr else f" {'-':>5s}"
             )
         if fi:
             v = c["impls"].get("flashinfer", {})

@@ -21,5 +21,5 @@ def test_the_table_names_the_kernel_sources_that_ran():
 def test_the_table_fits_a_notebook_and_explains_its_fractions_over_100_percent():
     result = json.loads((ROOT / "docs/bench/bench-h200.json").read_text())
     lines = summary_table(result).splitlines()
-    assert max(map(len, lines)) <= 140  # no wrap in a 1400 px notebook
+    assert max(map(len, lines)) <= 120  # no wrap in a 1400 px notebook
     assert any(l.startswith("%mma / %ldsm:") for l in lines)

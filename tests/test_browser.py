@@ -253,3 +253,25 @@ def test_the_marshaling_notebook_states_the_real_stride_and_its_verdicts(lab):
     assert "correct         PASS (tolerance rel <= 0.01)" in text
     assert "prefix-only-kv  FAIL" in text and "prefix-stride   FAIL" in text
     assert git_status(clone) == ""
+
+
+@pytest.mark.parametrize("notebook, images", [("01_captured_batches", 1), ("04_mla_buffer", 2), ("06_benchmark", 1)])
+def test_a_notebook_runs_in_the_lab_and_draws_its_figures(lab, notebook, images):
+    """01, 04 and 06 in the Lab: every cell runs without an error, the figures render (a screenshot is kept),
+    and saving leaves the repository clean."""
+    url, clone = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    with chromium_page() as page:
+        try:
+            open_and_run_all(page, url, f"{notebook}.ipynb")
+            page.wait_for_function(f"document.querySelectorAll('.jp-OutputArea-output img').length >= {images}", timeout=120_000)
+            page.wait_for_selector(".jp-Notebook:visible .jp-InputArea-prompt:has-text('[*]')", state="detached", timeout=120_000)
+            text = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
+            page.screenshot(path=str(ARTIFACTS / f"{notebook}.png"), full_page=True)
+            page.keyboard.press("Control+s")
+            page.wait_for_timeout(3000)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / f"{notebook}-failure.png"), full_page=True)
+            raise
+    assert "Traceback" not in text and "Error" not in text, text[-2000:]
+    assert git_status(clone) == ""
