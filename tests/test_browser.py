@@ -275,3 +275,11 @@ def test_a_notebook_runs_in_the_lab_and_draws_its_figures(lab, notebook, images)
             raise
     assert "Traceback" not in text and "Error" not in text, text[-2000:]
     assert git_status(clone) == ""
+
+
+def test_the_lab_serves_the_kernels_and_the_data(lab):
+    """`make lab` serves the repository: the kernel notebook 05 asks you to edit, and the captures, open in it."""
+    url, _ = lab
+    for path in ("kernels/verify_mla.cu", "data/captured_batches", "notebooks/05_kernel_diff.ipynb"):
+        with urllib.request.urlopen(f"{url}/api/contents/{path}?content=0", timeout=10) as r:
+            assert r.status == 200 and json.loads(r.read())["path"] == path
