@@ -112,8 +112,10 @@ def git_status(clone: Path) -> str:
 
 
 @contextmanager
-def chromium_page():
-    """A page of headless Chromium at 1400 x 1000."""
+def chromium_page(artifact: str):
+    """A page of headless Chromium at 1400 x 1000; if the block fails, a screenshot goes to
+    test-artifacts/`artifact`-failure.png."""
+    ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM,
@@ -127,10 +129,21 @@ def chromium_page():
                 "--disable-sync",
             ],
         )
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            yield browser.new_page(viewport={"width": 1400, "height": 1000})
+            yield page
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / f"{artifact}-failure.png"), full_page=True)
+            raise
         finally:
             browser.close()
+
+
+def keep_and_save(page, artifact: str) -> None:
+    """Keep a screenshot (test-artifacts/`artifact`.png), then save the notebook as a user does."""
+    page.screenshot(path=str(ARTIFACTS / f"{artifact}.png"), full_page=True)
+    page.keyboard.press("Control+s")
+    page.wait_for_timeout(3000)
 
 
 def open_and_run_all(page, url: str, notebook: str) -> None:
@@ -149,33 +162,26 @@ def test_ddtree_notebook_in_a_real_browser(lab):
     """Run it, explore through the widgets, save: the figure follows the selection, and the repository is as it
     was (the outputs live in the ignored .ipynb; the tracked script is unchanged)."""
     url, clone = lab
-    ARTIFACTS.mkdir(exist_ok=True)
-    with chromium_page() as page:
-        try:
-            open_and_run_all(page, url, NOTEBOOK)
-            page.wait_for_selector(".widget-slider", timeout=90_000)
-            page.wait_for_selector(".widget-output img", timeout=60_000)
-            before_img = first_image(page)
-            before, before_text = probe_state(page)
-            assert before["capture"] == "ddtree256.safetensors" and before["request"] == "0"
+    with chromium_page("ddtree-notebook") as page:
+        open_and_run_all(page, url, NOTEBOOK)
+        page.wait_for_selector(".widget-slider", timeout=90_000)
+        page.wait_for_selector(".widget-output img", timeout=60_000)
+        before_img = first_image(page)
+        before, before_text = probe_state(page)
+        assert before["capture"] == "ddtree256.safetensors" and before["request"] == "0"
 
-            page.locator(".widget-dropdown select").select_option("mixed-prefix.safetensors")
-            page.wait_for_timeout(1500)
-            set_slider(page, "request", 3)
-            page.wait_for_timeout(1500)
-            set_slider(page, "node", 7)
-            page.wait_for_timeout(1500)
-            after, _ = probe_state(page, before_text)
-            after_img = first_image(page)
-            page.screenshot(path=str(ARTIFACTS / "ddtree-notebook.png"), full_page=True)
-            page.keyboard.press("Control+s")  # save, as a user does after exploring
-            page.wait_for_timeout(3000)
-            status = git_status(clone)
-            if status:
-                status += subprocess.run(["git", "diff"], cwd=clone, capture_output=True, text=True).stdout
-        except Exception:
-            page.screenshot(path=str(ARTIFACTS / "ddtree-notebook-failure.png"), full_page=True)
-            raise
+        page.locator(".widget-dropdown select").select_option("mixed-prefix.safetensors")
+        page.wait_for_timeout(1500)
+        set_slider(page, "request", 3)
+        page.wait_for_timeout(1500)
+        set_slider(page, "node", 7)
+        page.wait_for_timeout(1500)
+        after, _ = probe_state(page, before_text)
+        after_img = first_image(page)
+        keep_and_save(page, "ddtree-notebook")
+        status = git_status(clone)
+        if status:
+            status += subprocess.run(["git", "diff"], cwd=clone, capture_output=True, text=True).stdout
     assert after["capture"] == "mixed-prefix.safetensors"
     assert (after["request"], after["node"]) == ("3", "7")
     assert int(after["renders"]) > int(before["renders"])
@@ -192,32 +198,25 @@ def test_the_kernel_notebook_sees_an_edit_to_the_kernel(lab):
     url, clone = lab
     src = clone / "kernels" / "verify_mla.cu"
     original = src.read_text()
-    ARTIFACTS.mkdir(exist_ok=True)
-    with chromium_page() as page:
+    with chromium_page("kernel-notebook") as page:
+        open_and_run_all(page, url, "05_kernel_diff.ipynb")
+        page.locator(".jp-OutputArea-output", has_text="registers HEAD -> edited").wait_for(timeout=240_000)
+        cell = page.locator(".jp-Notebook .jp-CodeCell", has_text="nvrtc_compile(arch, config)")
+        out = cell.locator(".jp-OutputArea-output")
+
+        def rerun(expect: str) -> str:
+            cell.locator(".jp-InputArea-editor").click()
+            page.keyboard.press("Control+Enter")
+            cell.locator(".jp-OutputArea-output", has_text=expect).first.wait_for(timeout=120_000)
+            return "\n".join(out.all_inner_texts())
+
         try:
-            open_and_run_all(page, url, "05_kernel_diff.ipynb")
-            page.locator(".jp-OutputArea-output", has_text="registers HEAD -> edited").wait_for(timeout=240_000)
-            cell = page.locator(".jp-Notebook .jp-CodeCell", has_text="nvrtc_compile(arch, config)")
-            out = cell.locator(".jp-OutputArea-output")
-
-            def rerun(expect: str) -> str:
-                cell.locator(".jp-InputArea-editor").click()
-                page.keyboard.press("Control+Enter")
-                cell.locator(".jp-OutputArea-output", has_text=expect).first.wait_for(timeout=120_000)
-                return "\n".join(out.all_inner_texts())
-
-            try:
-                src.write_text(original + "\n#error kdtree browser test: an edit the notebook must see\n")
-                broken = rerun("kdtree browser test")
-            finally:
-                src.write_text(original)
-            mended = rerun("verify_mla_fwd")
-            page.screenshot(path=str(ARTIFACTS / "kernel-notebook.png"), full_page=True)
-            page.keyboard.press("Control+s")
-            page.wait_for_timeout(3000)
-        except Exception:
-            page.screenshot(path=str(ARTIFACTS / "kernel-notebook-failure.png"), full_page=True)
-            raise
+            src.write_text(original + "\n#error kdtree browser test: an edit the notebook must see\n")
+            broken = rerun("kdtree browser test")
+        finally:
+            src.write_text(original)
+        mended = rerun("verify_mla_fwd")
+        keep_and_save(page, "kernel-notebook")
     assert "KernelCompileError" in broken and "does not compile" in broken
     assert "kdtree browser test" not in mended and "sm_120" in mended
     assert git_status(clone) == ""
@@ -234,19 +233,12 @@ def test_the_marshaling_notebook_states_the_real_stride_and_its_verdicts(lab):
     cap = load(clone / "data/captured_batches/ddtree64-bs3.safetensors")  # the notebook's default pick
     b = min(1, cap.batch_size - 1)
     step, wrong = marshal(cap).steps[b], marshal(cap, "prefix-stride").steps[b]
-    ARTIFACTS.mkdir(exist_ok=True)
-    with chromium_page() as page:
-        try:
-            open_and_run_all(page, url, "02_marshaling.ipynb")
-            page.locator(".jp-OutputArea-output", has_text="prefix-only-kv:").first.wait_for(timeout=180_000)
-            page.wait_for_function("document.querySelectorAll('.jp-OutputArea-output img').length >= 4", timeout=60_000)
-            text = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
-            page.screenshot(path=str(ARTIFACTS / "marshaling-notebook.png"), full_page=True)
-            page.keyboard.press("Control+s")
-            page.wait_for_timeout(3000)
-        except Exception:
-            page.screenshot(path=str(ARTIFACTS / "marshaling-notebook-failure.png"), full_page=True)
-            raise
+    with chromium_page("marshaling-notebook") as page:
+        open_and_run_all(page, url, "02_marshaling.ipynb")
+        page.locator(".jp-OutputArea-output", has_text="prefix-only-kv:").first.wait_for(timeout=180_000)
+        page.wait_for_function("document.querySelectorAll('.jp-OutputArea-output img').length >= 4", timeout=60_000)
+        text = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
+        keep_and_save(page, "marshaling-notebook")
     p, n = step.prefix_len, step.num_draft
     assert f"row stride = prefix_len + N = {p} + {n} = {p + n}" in text
     assert f"prefix-stride reads rows at stride {wrong.mask_row_stride} instead of {p + n}" in text
@@ -260,19 +252,12 @@ def test_a_notebook_runs_in_the_lab_and_draws_its_figures(lab, notebook, images)
     """01, 04 and 06 in the Lab: every cell runs without an error, the figures render (a screenshot is kept),
     and saving leaves the repository clean."""
     url, clone = lab
-    ARTIFACTS.mkdir(exist_ok=True)
-    with chromium_page() as page:
-        try:
-            open_and_run_all(page, url, f"{notebook}.ipynb")
-            page.wait_for_function(f"document.querySelectorAll('.jp-OutputArea-output img').length >= {images}", timeout=120_000)
-            page.wait_for_selector(".jp-Notebook:visible .jp-InputArea-prompt:has-text('[*]')", state="detached", timeout=120_000)
-            text = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
-            page.screenshot(path=str(ARTIFACTS / f"{notebook}.png"), full_page=True)
-            page.keyboard.press("Control+s")
-            page.wait_for_timeout(3000)
-        except Exception:
-            page.screenshot(path=str(ARTIFACTS / f"{notebook}-failure.png"), full_page=True)
-            raise
+    with chromium_page(notebook) as page:
+        open_and_run_all(page, url, f"{notebook}.ipynb")
+        page.wait_for_function(f"document.querySelectorAll('.jp-OutputArea-output img').length >= {images}", timeout=120_000)
+        page.wait_for_selector(".jp-Notebook:visible .jp-InputArea-prompt:has-text('[*]')", state="detached", timeout=120_000)
+        text = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
+        keep_and_save(page, notebook)
     assert "Traceback" not in text and "Error" not in text, text[-2000:]
     assert git_status(clone) == ""
 
