@@ -137,9 +137,12 @@ def server_bench_figure(pairs: list[dict]) -> Figure:
             ax.plot(x, [p["kdtree_step_ms"] for p in pts], "-o", color=color, label=f"batch {b} kdtree")
             ax.plot(x, [p["triton_step_ms"] for p in pts], "--s", color=color, alpha=0.7, label=f"batch {b} Triton")
         gains = [p["tokens_per_s_gain"] for p in rows]
+        lengths = sorted({p["prompt_len"] for p in rows})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
+        ax.minorticks_off()
         ax.set_xlabel("prompt length (tokens)")
-        ax.set_ylabel("verify step (ms, wall time over HTTP)")
+        ax.set_ylabel("verify step (ms, decode over HTTP)")
         ax.set_title(
             f"{heads} heads per rank, {draft} draft tokens\ntokens/s kdtree / Triton: {min(gains):.2f}-{max(gains):.2f}x"
         )

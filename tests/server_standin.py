@@ -6,7 +6,11 @@ Like SGLang's launcher it spawns a child (its "scheduler") in its own process gr
 `/generate`, `/v1/completions` and `/v1/chat/completions` on loopback, and prints what SGLang and kdtree's backend
 print for the mode in KDTREE_MODE: shadow lines (rel from STANDIN_REL), the target-verify CUDA-graph capture
 line and kdtree's serve lines (serve, triton), a capture file per request (capture: a synthetic capture written by
-kdtree's own writer into KDTREE_CAPTURE_DIR).
+kdtree's own writer into KDTREE_CAPTURE_DIR). For the server bench it answers `/start_profile` (in plain text, as
+SGLang does) and `/stop_profile`, and keeps a clock: a request of n tokens takes n // 2 verify steps of
+STANDIN_STEP_MS each plus STANDIN_REQUEST_MS once, and the trace `/stop_profile` writes holds, per step since
+`/start_profile`, STANDIN_ATTENTION_US of an attention kernel and STANDIN_GEMM_US of another, plus a one-off
+kernel per request.
 
 Usage: python server_standin.py PORT [--delay S] [--exit-early CODE] [--ignore-sigterm] [--never-ready] [--slow S]
        [--die-mid-reply]
@@ -62,13 +66,30 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._send(404, {})
 
+    profile_dir = None
+    profiled_steps = 0
+    profiled_requests = 0
+
     def do_POST(self):
         payload = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         with _lock:
             Handler.served += 1
             index = Handler.served
-        if self.path == "/generate":
+        if self.path == "/start_profile":
+            Handler.profile_dir, Handler.profiled_steps, Handler.profiled_requests = payload["output_dir"], 0, 0
+            self._send_text("Start profiling.\n")
+        elif self.path == "/stop_profile":
+            self._write_trace()
+            self._send_text("Stop profiling. This will take some time.\n")
+        elif self.path == "/generate":
             n = payload["sampling_params"]["max_new_tokens"]
+            steps = max(1, n // 2)
+            time.sleep(
+                float(os.environ.get("STANDIN_REQUEST_MS", 0)) / 1e3 + steps * float(os.environ.get("STANDIN_STEP_MS", 0)) / 1e3
+            )
+            with _lock:
+                Handler.profiled_steps = max(Handler.profiled_steps, steps)  # the batch's steps: its longest request's
+                Handler.profiled_requests += 1
             if self.die_mid_reply:  # headers and half a body, then the whole server dies
                 self.send_response(200)
                 self.send_header("Content-Length", "1000")
@@ -78,14 +99,39 @@ class Handler(BaseHTTPRequestHandler):
                 os._exit(1)
             time.sleep(self.slow)
             self._on_request(index)
-            self._send(200, {"text": payload["text"][::-1][:n], "output_ids": list(range(n)),
-                             "meta_info": {"completion_tokens": n, "spec_verify_ct": max(1, n // 2), "spec_accept_length": 2.0}})  # fmt: skip
+            text = payload["text"][::-1][:n] if "text" in payload else "x" * n
+            self._send(200, {"text": text, "output_ids": list(range(n)),
+                             "meta_info": {"completion_tokens": n, "spec_verify_ct": steps, "spec_accept_length": 2.0}})  # fmt: skip
         elif self.path == "/v1/completions":
             self._send(200, {"choices": [{"text": "ok"}]})
         elif self.path == "/v1/chat/completions":
             self._send(200, {"choices": [{"message": {"content": "ok"}}]})
         else:
             self._send(404, {})
+
+    def _send_text(self, text: str) -> None:
+        data = text.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _write_trace(self) -> None:
+        if Handler.profile_dir is None:
+            return
+        import gzip
+
+        steps, requests = Handler.profiled_steps, Handler.profiled_requests
+        per_step = [
+            ("_fwd_kernel", float(os.environ.get("STANDIN_ATTENTION_US", 0))),
+            ("nvjet_gemm", float(os.environ.get("STANDIN_GEMM_US", 0))),
+        ]
+        events = [{"ph": "X", "cat": "kernel", "name": n, "dur": us} for _ in range(steps) for n, us in per_step]
+        events += [{"ph": "X", "cat": "kernel", "name": "one_off_extend", "dur": 5000.0} for _ in range(requests)]
+        os.makedirs(Handler.profile_dir, exist_ok=True)
+        with gzip.open(os.path.join(Handler.profile_dir, f"{time.time()}-TP-0.trace.json.gz"), "wt") as f:
+            json.dump({"traceEvents": events}, f)
+        Handler.profile_dir = None
 
     def _on_request(self, index: int) -> None:
         rel = os.environ.get("STANDIN_REL", "1.2e-03")

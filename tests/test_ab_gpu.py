@@ -1,20 +1,35 @@
-"""kdtree.ab on a GPU: the committed kernel and the working tree's, each its own module, on a shipped capture."""
+"""kdtree.ab on a GPU: two kernel source trees, each built as its own module and run side by side on a shipped
+capture, as notebook 05's A/B cell does after an edit."""
+
+import shutil
 
 import pytest
 
 from kdtree.capture import load
+from kdtree.kernel.config import KERNEL_DIR, SOURCE
 
 from conftest import SHIPPED
 
 pytestmark = pytest.mark.gpu
 
 
-def test_the_committed_and_the_edited_kernel_run_side_by_side():
-    from kdtree.ab import committed_source, run_ab
-    from kdtree.kernel import SOURCE, VerifyKernel
+def test_an_edited_copy_and_the_kernel_run_side_by_side_each_its_own_module(tmp_path):
+    """`a` is a copy of kernels/ with the softmax scale halved (an edit the oracle must catch); `b` is the kernel as
+    it stands. (`committed_source` needs git, which the device's copy of the tree lacks; its CPU test covers it.)"""
+    from kdtree.ab import run_ab
+    from kdtree.kernel import VerifyKernel
 
-    head = committed_source("HEAD")
+    shutil.copytree(KERNEL_DIR, tmp_path / KERNEL_DIR.name)
+    edited = tmp_path / KERNEL_DIR.name / SOURCE.name
+    text = edited.read_text()
+    target = "sm_scale, logit_cap, o, lse}"
+    assert text.count(target) == 1, "the edit's target moved: update this test"
+    edited.write_text(text.replace(target, "sm_scale * 0.5f, logit_cap, o, lse}"))
+
     cap = load(next(p for p in SHIPPED if "mixed" in p.name))
-    (row,) = run_ab([cap], head)
-    assert VerifyKernel.get(source=head) is not VerifyKernel.get(source=SOURCE)  # two modules
-    assert row["rel_a"] < 1e-2 and row["rel_b"] < 1e-2 and row["ms_a"] > 0 and row["ms_b"] > 0
+    rows = run_ab([cap], edited)
+    assert VerifyKernel.get(source=edited) is not VerifyKernel.get(source=SOURCE)  # two modules
+    for row in rows:
+        assert row["rel_b"] < 1e-2, row  # the kernel as it stands
+        assert row["rel_a"] > 5e-2, row  # the edit shows, in its own module only
+        assert row["ms_a"] > 0 and row["ms_b"] > 0

@@ -14,7 +14,7 @@ def test_shipped_captures_load_and_fit_the_size_budget():
     assert len(SHIPPED) >= 6
     assert sum(p.stat().st_size for p in SHIPPED) <= 40e6
     kinds = {p.stem: load(p).meta.source["kind"] for p in SHIPPED}
-    assert {k for k, v in kinds.items() if v == "sglang"} == {"sglang-ddtree17", "sglang-chain16"}
+    assert {k for k, v in kinds.items() if v == "sglang"} == {"server-ngram16", "sglang-chain16"}
     assert set(kinds.values()) == {"sglang", "synthetic"}
 
 

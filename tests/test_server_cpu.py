@@ -391,9 +391,12 @@ def test_server_bench_settings_size_the_server_for_the_longest_point():
     from kdtree.server.bench import ServerBenchSettings
 
     s = ServerBenchSettings(prompt_lens=(1024, 32768), batches=(1, 16), draft_tokens=(64,), heads=(16,))
-    assert s.context_length == 33792 and s.context_length >= 32768 + 128 + 64
+    assert s.context_length % 1024 == 0 and s.context_length >= 32768 + s.short_tokens + s.new_tokens + 64
     cs = s.server(64)
-    assert (cs.max_running_requests, cs.cuda_graph_max_bs) == (16, 16) and cs.max_total_tokens >= 16 * (32768 + 128 + 64)
+    assert (cs.max_running_requests, cs.cuda_graph_max_bs, cs.cuda_graph_bs) == (16, 16, (1, 16))
+    assert cs.max_total_tokens >= 16 * (32768 + s.short_tokens + s.new_tokens + 64)
+    argv = check.server_argv(Path("m"), 1, cs, s.spec(16), "serve")
+    assert argv[argv.index("--cuda-graph-bs-decode") :][:3] == ["--cuda-graph-bs-decode", "1", "16"]
     assert s.spec(16).heads_per_rank == 16
     with pytest.raises(ValueError, match="--batch"):
         ServerBenchSettings(batches=(0,)).check()
@@ -411,6 +414,37 @@ def test_bench_server_options_are_checked_first(tmp_path):
     assert r.exit_code == 2 and "--batch" in r.output and not (tmp_path / "b").exists()
     r = CliRunner().invoke(app, ["bench", "--heads", "8"])
     assert r.exit_code == 2 and "go with --server" in r.output
+
+
+def test_the_server_bench_times_decode_alone_and_profiles_the_extra_steps(tmp_path, monkeypatch):
+    """Against the stand-in's clock (150 ms a request, 5 ms a verify step; a trace of 3 ms attention and 0.5 ms
+    else per step, and a one-off kernel per request): the pairs of rounds cancel the per-request cost, so the step
+    time is the step's (not 150 ms spread over the steps), and the profile's GPU time per step is the step's."""
+    from kdtree.server import bench
+
+    for k, v in {"STANDIN_REQUEST_MS": 150, "STANDIN_STEP_MS": 5, "STANDIN_ATTENTION_US": 3000, "STANDIN_GEMM_US": 500}.items():
+        monkeypatch.setenv(k, str(v))
+    monkeypatch.setenv("PYTHONPATH", standin_env()["PYTHONPATH"])
+    s = bench.ServerBenchSettings(
+        prompt_lens=(48,), batches=(1, 3), draft_tokens=(4,), heads=(8,), new_tokens=40, short_tokens=4, layers=1,
+        hidden_size=64, profile_points=((48, 3),),
+    )  # fmt: skip
+    result = bench.run(s, tmp_path, launcher=standin())
+    assert result["problems"] == [] and len(result["rows"]) == 4 and len(result["pairs"]) == 2
+    for row in result["rows"]:
+        assert row["answered"] == row["requests"] == row["batch"] * (2 + 2 * s.repeats)
+        assert row["verify_steps"] == 20 and row["tokens"] == 40 * row["batch"]
+        assert 4.0 < row["step_ms"] < 7.5, row  # 5 ms; the old single round read (150 + 5 * 22) / 22 = 11.8 ms
+    profiled = [r for r in result["rows"] if "profile" in r]
+    assert [(r["backend"], r["batch"]) for r in profiled] == [("serve", 3), ("triton", 3)]
+    for r in profiled:
+        p = r["profile"]
+        assert (
+            p["steps"] == 20 and p["gpu_ms_per_step"] == pytest.approx(3.5) and p["attention_ms_per_step"] == pytest.approx(3.0)
+        )
+        assert p["not_on_gpu_ms_per_step"] == pytest.approx(r["step_ms"] - 3.5)
+        assert all(Path(t).exists() for t in p["traces"])
+    assert json.loads((tmp_path / "bench-server.json").read_text())["pairs"] == json.loads(json.dumps(result["pairs"]))
 
 
 def test_replies_sent_in_parts_keep_their_place_in_the_whole_list(tmp_path):
@@ -438,7 +472,7 @@ def test_a_profile_finds_attentions_share_and_what_the_gpu_does_not_account_for(
     path = tmp_path / "t.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    p = profile.step_profile(profile.load_trace(path), steps=2, wall_ms_per_step=10.0)
+    p = profile.step_profile(profile.kernel_times(profile.load_trace(path)), steps=2, wall_ms_per_step=10.0)
     assert p["gpu_ms_per_step"] == 5.0 and p["attention_ms_per_step"] == 3.5
     assert p["attention_share_of_gpu"] == 0.7 and p["attention_share_of_wall"] == 0.35 and p["not_on_gpu_ms_per_step"] == 5.0
     assert [k["attention"] for k in p["top_kernels"]] == [True, False, True]

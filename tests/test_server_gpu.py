@@ -136,9 +136,10 @@ def test_serve_under_cuda_graphs_agrees_with_triton(model, out):
 @pytest.mark.parametrize("draft", [16, 64])
 def test_ngram_trees_branch_and_their_captures_diff_clean(model, out, draft):
     """NGRAM with BFS breadth 8 on prompts whose n-grams branch drafts trees: capture files (layer 0, every
-    step, a budget of 6 files) validate, are 0600, diff clean against the capture and the oracle, and some
-    node has several children; capture stops at the budget and serving goes on."""
-    s = replace(BASE, draft_tokens=draft, bfs_breadth=8, capture_every=1, capture_max_files=6)
+    third step, a budget of 6 files) validate, are 0600, diff clean against the capture and the oracle, and some
+    tree both branches and goes deeper than the first step's star; capture stops at the budget and serving goes
+    on."""
+    s = replace(BASE, draft_tokens=draft, bfs_breadth=8, capture_every=3, capture_max_files=6)
     s = replace(s, extra_args=("--speculative-ngram-min-bfs-breadth", "2"))
     texts = client.branching_prompts(16, seed=draft)
     name = f"capture-n{draft}"
@@ -152,7 +153,7 @@ def test_ngram_trees_branch_and_their_captures_diff_clean(model, out, draft):
     for c in r.captures:
         assert c["valid"] and c["mode"] == "0o600" and c["passed_vs_capture"] and c["passed_vs_oracle"], c
         assert c["num_draft"] == [draft]
-    assert max(c["max_branching"] for c in r.captures) > 1, [c["max_branching"] for c in r.captures]
+    assert any(c["branching_deep"] for c in r.captures), [c["max_branching"] for c in r.captures]
     assert r.passed, r.reasons
 
 
@@ -161,6 +162,20 @@ def test_page_size_16_is_served(model, out):
     s = replace(BASE, page_size=16, bfs_breadth=1)
     r = check.run_mode("serve", model, SPEC, s, out, name="serve-page16")
     assert r.answered == r.requests and r.passed, r.reasons
+
+
+def test_chains_on_pages_of_16_are_captured_and_diff_clean(model, out):
+    """Capture mode with --page-size 16 and chains (BFS breadth 1): the files validate, are 0600, diff clean
+    against the capture and the oracle, and every tree is a chain; one is kept for data/."""
+    s = replace(BASE, page_size=16, bfs_breadth=1, capture_every=3, capture_max_files=4)
+    name = "capture-chain-page16"
+    r = check.run_mode("capture", model, SPEC, s, out, name=name, env={"KDTREE_LAYERS": "0"})
+    (out / f"{name}.json").write_text(json.dumps(r.__dict__, default=str, indent=1))
+    assert r.answered == r.requests and len(r.captures) == 4, r.reasons
+    for c in r.captures:
+        assert c["valid"] and c["mode"] == "0o600" and c["passed_vs_capture"] and c["passed_vs_oracle"], c
+        assert c["max_branching"] == 1, c
+    assert r.passed, r.reasons
 
 
 def _cupy_blocked(tmp: Path) -> str:
@@ -189,16 +204,17 @@ def test_a_fault_is_logged_once_and_every_request_is_answered(model, out, fault,
 
 @pytest.fixture(scope="module", autouse=True)
 def keep_two_captures(out):
-    """After the capture tests: one branching and one chain capture copied to out/ship/ (for data/)."""
+    """After the capture tests: a branching tree of each capture test and a chain copied to out/ship/ (for data/;
+    not the first step's, which every request starts from empty n-gram tables)."""
     yield
     ship = out / "ship"
-    for name in ("capture-n16", "capture-n64"):
+    for name, keep in (
+        ("capture-n16", lambda c: c["branching_deep"]),
+        ("capture-n64", lambda c: c["branching_deep"]),
+        ("capture-chain-page16", lambda c: "step000000" not in c["path"]),
+    ):
         report = out / f"{name}.json"
-        if not report.exists():
-            continue
-        caps = json.loads(report.read_text())["captures"]
-        branching = [c for c in caps if c.get("max_branching", 0) > 1]
-        chain = [c for c in caps if c.get("max_branching", 0) <= 1]
-        ship.mkdir(exist_ok=True)
-        for c in (branching[:1] + chain[:1]) if name == "capture-n16" else branching[:1]:
-            shutil.copy(c["path"], ship / f"{name}-{Path(c['path']).name}")
+        if report.exists():
+            ship.mkdir(exist_ok=True)
+            for c in [c for c in json.loads(report.read_text())["captures"] if keep(c)][:1]:
+                shutil.copy(c["path"], ship / f"{name}-{Path(c['path']).name}")

@@ -249,7 +249,7 @@ def test_padded_rows_from_the_page_table_stay_inside_an_exact_mask(path):
     """Scratch rows as SGLang's graph runner pads (prefix 1, request row 0, out_cache_loc 0) after the real
     rows, with a mask exactly as long as the real rows need: the real rows' arguments are `kdtree.marshal`'s,
     the padded rows' mask reads stay inside the mask (no fault), and the real rows match the oracle."""
-    cap = load(next(p for p in SHIPPED if p.stem == "sglang-ddtree17"))
+    cap = load(next(p for p in SHIPPED if p.stem == "server-ngram16"))
     real, pad, n = cap.batch_size, 3, int(cap.num_draft[0])
     t = table_buffers(cap, pad=0)
     bufs = dict(

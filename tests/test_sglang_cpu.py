@@ -107,7 +107,7 @@ def test_no_custom_mask_means_causal_drafts():
 
 def test_faulty_metadata_is_not_what_marshal_builds():
     """The comparison above can fail: the historical row-stride bug gives other bits."""
-    cap = load(next(p for p in SHIPPED if p.stem == "sglang-ddtree17"))
+    cap = load(next(p for p in SHIPPED if p.stem == "server-ngram16"))
     wrong = marshal(cap, fault="prefix-stride")
     assert not torch.equal(batch_of(cap).marshal(1.0, 0.0).tree_mask, wrong.tree_mask)
 
@@ -142,7 +142,7 @@ def test_settings_from_the_environment():
 
 
 def test_shadow_line_names_the_worst_element():
-    cap = load(next(p for p in SHIPPED if p.stem == "sglang-ddtree17"))
+    cap = load(next(p for p in SHIPPED if p.stem == "server-ngram16"))
     ref = cap.layer(0).o.float()
     exact = shadow_diff(ref.clone(), ref, cap.qo_indptr, layer=58, step=3)
     assert exact.rel == 0 and exact.line(5e-3).startswith("[kdtree] L58 max_abs_diff=0.0000e+00 mean=0.0000e+00 rel=")
@@ -165,7 +165,7 @@ def _one_layer(cap):
 
 
 def test_capture_files_round_trip_and_stop_at_the_file_budget(tmp_path, caplog):
-    cap = load(next(p for p in SHIPPED if p.stem == "sglang-ddtree17"))
+    cap = load(next(p for p in SHIPPED if p.stem == "server-ngram16"))
     batch, q, o, pool = _one_layer(cap)
     tensors = capture_tensors(batch, 0, q, o, pool)
     w = CaptureWriter(tmp_path / "caps", max_files=2, max_bytes=2**30)
@@ -236,7 +236,7 @@ def test_the_runner_prepares_once_per_step_object_and_again_for_a_capture(monkey
     from kdtree.sglang.verify import VerifyRunner
 
     monkeypatch.setattr("kdtree.kernel.check_inputs", lambda *a: None)
-    cap = load(next(p for p in SHIPPED if p.stem == "sglang-ddtree17"))
+    cap = load(next(p for p in SHIPPED if p.stem == "server-ngram16"))
     path = CountingPath()
     runner = VerifyRunner(path)
     q, pool = cap.layer(0).q, cap.pool(0)
@@ -260,7 +260,7 @@ def test_padded_rows_as_sglang_pads_them_leave_the_real_rows_alone():
     from kdtree.device_plan import PlanShape, plan_on_device
     from kdtree.kernel import KernelConfig
 
-    cap = load(next(p for p in SHIPPED if p.stem == "sglang-ddtree17"))
+    cap = load(next(p for p in SHIPPED if p.stem == "server-ngram16"))
     real, pad, n = cap.batch_size, 3, int(cap.num_draft[0])
     bs = real + pad
     prefix = cap.prefix_lens.tolist() + [1] * pad
@@ -296,7 +296,7 @@ def test_padded_rows_from_the_page_table_leave_the_real_rows_alone():
     """The same padding through the backend's own metadata: scratch rows of prefix 1 on request row 0 and
     out_cache_loc 0, the mask exactly as long as the real rows need (SGLang's spec_info covers only them), so
     the padded rows' mask reads run past its end (the kernel and this twin clamp them to its last cell)."""
-    cap = load(next(p for p in SHIPPED if p.stem == "sglang-ddtree17"))
+    cap = load(next(p for p in SHIPPED if p.stem == "server-ngram16"))
     real, pad, n = cap.batch_size, 3, int(cap.num_draft[0])
     t = table_of(cap)
     t.req_pool_indices = torch.cat([t.req_pool_indices, torch.zeros(pad, dtype=torch.long)])

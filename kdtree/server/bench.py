@@ -3,10 +3,13 @@
 runner, with the same server settings, checkpoint and prompts, in one run.
 
 Per point (prompt length, batch): each of the batch's prompts (distinct token ids of exactly that length) is sent
-once with one new token, which prefills it into the radix cache, then again with `new_tokens`, all at once; the
-second round's wall time is decode: tokens/s = tokens decoded / that time, the verify step's time = that time /
-the most verify steps any of its requests took. Timed over HTTP on loopback: the step time includes SGLang's
-scheduling and the NGRAM drafter, as a user's server does.
+once with one new token, which prefills it into the radix cache; one untimed round follows (the first use of the
+batch's shape builds what it needs); then pairs of rounds, all prompts at once, one decoding `short_tokens` and one
+`short_tokens + new_tokens`. The pair's difference is decode alone - what both rounds pay once per request (the
+extend of the last prompt token, HTTP, tokenization) cancels: tokens/s = extra tokens / extra time, the verify
+step's time = extra time / extra verify steps of the batch (the most any of its requests took); the median of
+`repeats` pairs is the point's. Timed over HTTP on loopback: the step time includes SGLang's scheduling and the
+NGRAM drafter, as a user's server does. A profiled point's GPU time is the same difference of two traces.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ class ServerBenchSettings:
     batches: tuple[int, ...] = (1, 4, 16)
     draft_tokens: tuple[int, ...] = (16, 64)
     heads: tuple[int, ...] = (8, 16)  # per rank: Kimi K2.x at TP8, DeepSeek-V3 at TP8
-    new_tokens: int = 128
+    new_tokens: int = 256  # the long round decodes this many more than the short one
+    short_tokens: int = 32
+    repeats: int = 3
     layers: int = 4
     hidden_size: int = 256
     # points (prompt length, batch) timed once more under SGLang's profiler, where a step's time goes; None: the
@@ -49,13 +54,13 @@ class ServerBenchSettings:
             values = getattr(self, name)
             if not values or min(values) < 1:
                 raise ValueError(f"{option}: at least one value, each at least 1 (got {list(values)})")
-        if min(self.draft_tokens) < 2 or self.new_tokens < 1:
-            raise ValueError("draft tokens must be at least 2 and new tokens at least 1")
+        if min(self.draft_tokens) < 2 or self.new_tokens < 1 or self.short_tokens < 1 or self.repeats < 1:
+            raise ValueError("draft tokens must be at least 2; new tokens, short tokens and repeats at least 1")
 
     @property
     def context_length(self) -> int:
         """Room for the longest prompt, its decode and a draft, rounded up to 1024."""
-        need = max(self.prompt_lens) + self.new_tokens + max(self.draft_tokens) + 64
+        need = max(self.prompt_lens) + self.short_tokens + self.new_tokens + max(self.draft_tokens) + 64
         return -(-need // 1024) * 1024
 
     def spec(self, heads: int) -> TinySpec:
@@ -66,12 +71,13 @@ class ServerBenchSettings:
     def server(self, draft: int) -> CheckSettings:
         """The server settings both backends get (graphs for every batch size measured)."""
         bs = max(self.batches)
-        tokens = bs * (max(self.prompt_lens) + self.new_tokens + 2 * draft) + 4096
+        tokens = bs * (max(self.prompt_lens) + self.short_tokens + self.new_tokens + 2 * draft) + 4096
         return CheckSettings(
             draft_tokens=draft,
             bfs_breadth=4,
             max_running_requests=bs,
             cuda_graph_max_bs=bs,
+            cuda_graph_bs=tuple(sorted(set(self.batches))),
             max_total_tokens=tokens,
             mem_fraction_static=0.3,
             startup_timeout=600,
@@ -93,44 +99,82 @@ def token_prompts(model_dir: Path, length: int, count: int, *, seed: int = 0) ->
     return out
 
 
-def measure(url: str, prompts: list[list[int]], new_tokens: int, timeout: float) -> dict:
-    """One point: prefill every prompt (one token each), then decode `new_tokens` for all at once."""
-    warm = client.drive(url, prompts, concurrency=len(prompts), max_new_tokens=1, timeout=timeout)
+@dataclass(frozen=True)
+class Round:
+    """One decode round of a point: every prompt at once, wall time, tokens and verify steps."""
+
+    seconds: float
+    tokens: int
+    steps: int  # the most verify steps any request took: the batch's step count
+    verify: int  # verify steps summed over the requests (accept length = tokens / verify)
+    answered: int
+    requests: int
+
+
+def decode_round(url: str, prompts: list[list[int]], new_tokens: int, timeout: float) -> Round:
     t0 = time.perf_counter()
     replies = client.drive(url, prompts, concurrency=len(prompts), max_new_tokens=new_tokens, timeout=timeout)
-    seconds = time.perf_counter() - t0
-    tokens = sum(r.completion_tokens for r in replies)
-    steps = max((r.spec_verify_ct for r in replies), default=0)
-    verify = sum(r.spec_verify_ct for r in replies)
+    return Round(
+        seconds=time.perf_counter() - t0,
+        tokens=sum(r.completion_tokens for r in replies),
+        steps=max((r.spec_verify_ct for r in replies), default=0),
+        verify=sum(r.spec_verify_ct for r in replies),
+        answered=sum(r.ok for r in replies),
+        requests=len(replies),
+    )
+
+
+def difference(short: Round, long: Round) -> dict:
+    """What the long round's extra tokens cost: the step time and tokens/s of decode alone (the request's
+    extend of its last prompt token, HTTP and tokenization are in both rounds and cancel)."""
+    dt, dsteps, dtokens, dverify = (
+        long.seconds - short.seconds, long.steps - short.steps, long.tokens - short.tokens, long.verify - short.verify
+    )  # fmt: skip
+    ok = dt > 0 and dsteps > 0
     return {
-        "answered": sum(r.ok for r in replies + warm),
-        "requests": len(replies) + len(warm),
-        "seconds": seconds,
-        "tokens": tokens,
-        "tokens_per_s": tokens / seconds if seconds > 0 else math.nan,
-        "verify_steps": steps,
-        "step_ms": 1e3 * seconds / steps if steps else math.nan,
-        "accept_length": tokens / verify if verify else math.nan,
+        "seconds": dt,
+        "tokens": dtokens,
+        "verify_steps": dsteps,
+        "tokens_per_s": dtokens / dt if ok else math.nan,
+        "step_ms": 1e3 * dt / dsteps if ok else math.nan,
+        "accept_length": dtokens / dverify if dverify > 0 else math.nan,
     }
 
 
-def profile_point(url: str, prompts: list[list[int]], new_tokens: int, trace_dir: Path) -> dict | None:
-    """The point's decode once more under SGLang's profiler: the step's GPU time, attention's share, and what the
-    GPU does not account for (`kdtree.server.profile`)."""
+def measure(url: str, prompts: list[list[int]], s: ServerBenchSettings, timeout: float) -> dict:
+    """One point: prefill every prompt into the radix cache (one token each), one untimed round (the first use of
+    this batch's shape), then `s.repeats` pairs of a short and a long round, each pair's difference taken; the
+    median pair is the point's."""
+    rounds = [decode_round(url, prompts, 1, timeout), decode_round(url, prompts, s.short_tokens, timeout)]
+    pairs = []
+    for _ in range(s.repeats):
+        short = decode_round(url, prompts, s.short_tokens, timeout)
+        long = decode_round(url, prompts, s.short_tokens + s.new_tokens, timeout)
+        rounds += [short, long]
+        pairs.append(difference(short, long))
+    ranked = sorted(pairs, key=lambda d: (math.isnan(d["step_ms"]), d["step_ms"]))
+    return ranked[len(ranked) // 2] | {
+        "answered": sum(r.answered for r in rounds),
+        "requests": sum(r.requests for r in rounds),
+        "step_ms_each": [d["step_ms"] for d in pairs],
+    }
+
+
+def profile_point(url: str, prompts: list[list[int]], s: ServerBenchSettings, step_ms: float, trace_dir: Path) -> dict | None:
+    """A short and a long round once more, each under SGLang's profiler: per extra verify step, the GPU's busy time
+    and attention's part of it; set against the unprofiled step time `step_ms`, what the GPU does not account for
+    (`kdtree.server.profile`)."""
     from kdtree.server import profile
 
-    replies: list[client.Reply] = []
-    t0 = time.perf_counter()
-
-    def run():
-        replies.extend(client.drive(url, prompts, concurrency=len(prompts), max_new_tokens=new_tokens))
-
-    trace = profile.profiled(url, trace_dir, run)
-    seconds = time.perf_counter() - t0
-    steps = max((r.spec_verify_ct for r in replies), default=0)
-    if trace is None or steps < 1:
+    traces, rounds = [], []
+    for n, tag in ((s.short_tokens, "short"), (s.short_tokens + s.new_tokens, "long")):
+        trace = profile.profiled(url, trace_dir / tag, lambda n=n: rounds.append(decode_round(url, prompts, n, 900.0)))
+        traces.append(trace)
+    if None in traces or len(rounds) != 2 or rounds[1].steps <= rounds[0].steps:
         return None
-    return profile.step_profile(profile.load_trace(trace), steps, 1e3 * seconds / steps) | {"trace": str(trace)}
+    short, long = (profile.kernel_times(profile.load_trace(t)) for t in traces)
+    steps = rounds[1].steps - rounds[0].steps
+    return profile.step_profile(profile.subtract(long, short), steps, step_ms) | {"traces": [str(t) for t in traces]}
 
 
 def pair_rows(rows: list[dict]) -> list[dict]:
@@ -194,10 +238,15 @@ def format_table(pairs: list[dict]) -> str:
 
 
 def run(
-    s: ServerBenchSettings, out_dir: Path, *, say: Callable[[str], None] = lambda _: None, model_root: Path | None = None
+    s: ServerBenchSettings,
+    out_dir: Path,
+    *,
+    say: Callable[[str], None] = lambda _: None,
+    model_root: Path | None = None,
+    launcher: Callable[[int], list[str]] | None = None,
 ) -> dict:
     """Every (heads, draft tokens) server, kdtree then Triton, every point on each; the result is written to
-    `out_dir/bench-server.json` after each server."""
+    `out_dir/bench-server.json` after each server. `launcher` replaces SGLang's command line (`run_mode`)."""
     s.check()
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"settings": asdict(s), "rows": [], "servers": [], "pairs": [], "problems": []}
@@ -213,17 +262,27 @@ def run(
                 def traffic(url, heads=heads, draft=draft, backend=backend, rows=rows):
                     for (n, b), ids in prompts.items():
                         say(f"{backend} h{heads} n{draft}: prompt {n}, batch {b}")
-                        m = measure(url, ids, s.new_tokens, cs.request_timeout)
-                        if (n, b) in s.profiled:
+                        m = measure(url, ids, s, cs.request_timeout)
+                        if (n, b) in s.profiled and m["step_ms"] > 0:
                             say(f"{backend} h{heads} n{draft}: prompt {n}, batch {b}, profiled")
                             m["profile"] = profile_point(
-                                url, ids, s.new_tokens, out_dir / "traces" / f"{backend}-h{heads}-n{draft}-{n}x{b}"
+                                url, ids, s, m["step_ms"], out_dir / "traces" / f"{backend}-h{heads}-n{draft}-{n}x{b}"
                             )
                         rows.append({"heads": heads, "draft_tokens": draft, "backend": backend, "prompt_len": n, "batch": b} | m)
                     return []
 
                 name = f"bench-{backend}-h{heads}-n{draft}"
-                r = run_mode(backend, model, spec, replace(cs, modes=(backend,)), out_dir, name=name, requests=traffic, say=say)
+                r = run_mode(
+                    backend,
+                    model,
+                    spec,
+                    replace(cs, modes=(backend,)),
+                    out_dir,
+                    name=name,
+                    requests=traffic,
+                    say=say,
+                    launcher=launcher,
+                )
                 result["rows"] += rows
                 result["servers"].append(
                     {"name": name, "log": r.log, "ready_after": r.ready_after, "scan": r.scan, "reasons": r.reasons}

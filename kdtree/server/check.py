@@ -48,6 +48,7 @@ class CheckSettings:
     prompt_chars: int = 0  # grow each prompt to at least this many characters
     max_running_requests: int = 4
     cuda_graph_max_bs: int = 4
+    cuda_graph_bs: tuple[int, ...] = ()  # exactly these batch sizes captured (instead of 1..cuda_graph_max_bs)
     mem_fraction_static: float = 0.15
     max_total_tokens: int = 262144
     tolerance: float = 5e-3  # shadow rel
@@ -114,7 +115,9 @@ def server_argv(model_dir: Path, port: int, s: CheckSettings, spec: TinySpec, mo
     # prefill graphs are not what this checks; decode graphs are SGLang's target-verify runner (0.5.23 deprecates
     # --disable-cuda-graph for these per-phase switches)
     argv += ["--cuda-graph-backend-prefill", "disabled"]
-    if graphs:
+    if graphs and s.cuda_graph_bs:
+        argv += ["--cuda-graph-bs-decode", *map(str, s.cuda_graph_bs)]
+    elif graphs:
         argv += ["--cuda-graph-max-bs-decode", str(s.cuda_graph_max_bs)]
     else:
         argv += ["--cuda-graph-backend-decode", "disabled"]
@@ -208,6 +211,8 @@ def _capture_checks(capture_dir: Path, tolerance: float) -> list[dict]:
             "prefix_lens": info["prefix_lens"],
             "num_draft": info["num_draft"],
             "max_branching": max(r["max_branching"] for r in info["requests"]),
+            # a tree past NGRAM's first-step star (the root's children only) both branches and goes deeper
+            "branching_deep": any(r["max_branching"] > 1 and r["depth"] > 1 for r in info["requests"]),
         }
         for ref in ("capture", "oracle"):
             diffs = diff_capture(cap, impl, ref, tolerance=tolerance)

@@ -81,11 +81,17 @@ class Reply:
 
 
 def post_json(url: str, payload: dict, timeout: float) -> tuple[int, dict]:
-    """POST `payload` as JSON; (status, the JSON answer, {} when there is none)."""
+    """POST `payload` as JSON; (status, the JSON answer: {} when there is none, {"text": ...} when it is not JSON,
+    as SGLang's /start_profile answers)."""
     req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         body = r.read()
-        return r.status, json.loads(body) if body.strip() else {}
+    if not body.strip():
+        return r.status, {}
+    try:
+        return r.status, json.loads(body)
+    except json.JSONDecodeError:
+        return r.status, {"text": body.decode(errors="replace")}
 
 
 def generate(base_url: str, prompt: str | list[int], *, max_new_tokens: int, index: int = 0, timeout: float = 300.0) -> Reply:

@@ -2,7 +2,7 @@
 `/stop_profile`) read for its GPU kernels, attention's among them, set against the step's wall time.
 
 What the GPU does not account for - the scheduler, NGRAM's matching on the host, the HTTP side - is the wall
-time less the GPU's busy time. The projection to a large model is Amdahl's law on the attention share: arithmetic,
+time (measured without the profiler, which slows the host) less the GPU's busy time. The projection to a large model is Amdahl's law on the attention share: arithmetic,
 not a measurement.
 """
 
@@ -37,12 +37,17 @@ def kernel_times(trace: dict) -> dict[str, float]:
     return out
 
 
-def step_profile(trace: dict, steps: int, wall_ms_per_step: float | None = None, top: int = 8) -> dict:
-    """Per verify step: GPU busy time, attention's part of it, and (given the wall time) what the GPU does not
-    account for."""
+def subtract(long: dict[str, float], short: dict[str, float]) -> dict[str, float]:
+    """Kernel times of a long round less a short one's: what the extra steps cost (a kernel only the short round
+    ran, such as a one-off, counts 0)."""
+    return {n: max(0.0, t - short.get(n, 0.0)) for n, t in long.items()}
+
+
+def step_profile(times: dict[str, float], steps: int, wall_ms_per_step: float | None = None, top: int = 8) -> dict:
+    """Per verify step, from kernel times (µs) over `steps` steps: GPU busy time, attention's part of it, and
+    (given the wall time) what the GPU does not account for."""
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
-    times = kernel_times(trace)
     total = sum(times.values()) / 1e3 / steps
     attention = sum(t for n, t in times.items() if ATTENTION_RE.search(n)) / 1e3 / steps
     out = {
