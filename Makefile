@@ -1,3 +1,4 @@
+SHELL := /bin/bash
 # Two commands do all set-up on a fresh Linux machine with Python 3.11+:
 #   make lab    - creates .venv on first use, installs kdtree, starts JupyterLab over the repository, on notebooks/
 #                 (IP=0.0.0.0 PORT=8899 to choose; the notebooks' .ipynb are made from their tracked scripts)
@@ -28,15 +29,17 @@ lab: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# ruff (configured in pyproject.toml): lint and formatting of the package, tests and scripts
+# ruff (configured in pyproject.toml): lint and formatting of the package, tests, tools and experiments
 lint: $(STAMP)
-	$(BIN)/ruff check kdtree tests scripts
-	$(BIN)/ruff format --check kdtree tests scripts
+	$(BIN)/ruff check kdtree tests tools experiments
+	$(BIN)/ruff format --check kdtree tests tools experiments
 
-# On a machine with a CUDA GPU, torch, CuPy and triton (e.g. the lent H200: `scripts/gpu_session.sh all`
+# On a machine with a CUDA GPU, torch, CuPy and triton (e.g. the lent H200: `tools/gpu_session.sh all`
 # does these in one call). Without a GPU the GPU tests skip with a reason.
+# Every test marked gpu (the kernel, the plan on the device, the serving path, SGLang's kit, real servers, A/B);
+# the log is kept in test-gpu.log.
 test-gpu:
-	python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py
+	python3 -m pytest -q -rs -m gpu tests 2>&1 | tee test-gpu.log; exit $${PIPESTATUS[0]}
 
 bench:
 	python3 -m kdtree bench -o bench-out

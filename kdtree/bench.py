@@ -76,7 +76,7 @@ V2_CASES = [
 ]
 ALL_CASES = CASES + V2_CASES
 
-# Probe cases for experiments (scripts/variants.py, scripts/trace_case.py; not benchmarked): the small tree's
+# Probe cases for experiments (tools/variants.py, tools/trace_case.py; not benchmarked): the small tree's
 # 16 x 2,048 prefixes at other tree sizes, to see what the rows past the last full 64-row tile cost
 # (H 8: N 8 = 64 rows, N 9 = 64 + 8, N 16 = 128, N 2 = 16).
 PROBE_CASES = [BenchCase(f"small tree N{n}", "kimi-k2-tp8", (2048,) * 16, n) for n in (2, 8, 9, 16)]

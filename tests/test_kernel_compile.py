@@ -166,7 +166,7 @@ def test_wgmma_variants_compile_and_fit(stages, pipe, split):
     ids=["trace", "skips", "phases"],
 )
 def test_wgmma_experiment_builds_compile(extra):
-    """The timing builds scripts/trace_case.py, scripts/variants.py and scripts/phase_profile.py ask for (block
+    """The timing builds tools/trace_case.py, tools/variants.py and tools/phase_profile.py ask for (block
     timelines, parts of each tile left out, cycles a step by phase) still compile for sm_90a, without spills."""
     config = dataclasses.replace(KernelConfig.for_arch("sm_90"), extra=extra)
     (fwd,) = [r for r in compile_report("sm_90", config) if r.name == "verify_mla_fwd"]
@@ -174,7 +174,7 @@ def test_wgmma_experiment_builds_compile(extra):
 
 
 def test_mma_repeat_issues_every_mma_twice_in_sm120s_limits():
-    """scripts/variants.py --mma-repeat 2 (VMLA_MMA_REPEAT, the tensor rate of a part with half the H200's per
+    """tools/variants.py --mma-repeat 2 (VMLA_MMA_REPEAT, the tensor rate of a part with half the H200's per
     SM-cycle): the sm_120 configuration's forward kernel asks for exactly twice the MMAs, still without spills in
     101,376 B; the default build asks for one each."""
     config = KernelConfig.for_arch("sm_120")
@@ -191,7 +191,7 @@ def test_mma_repeat_issues_every_mma_twice_in_sm120s_limits():
 @pytest.mark.parametrize("arch", ["sm_120", "sm_90"])
 @pytest.mark.parametrize("extra", [(), ("-DVMLA_MMA_REPEAT=2", "-DVMLA_CEILING_CHAINS=2")], ids=["bench", "repeated"])
 def test_mma_ceiling_microkernels_compile_without_spills(arch, extra):
-    """kdtree bench's mma.sync ceilings (kernels/mma_ceiling.cu), and one of the builds scripts/variants.py
+    """kdtree bench's mma.sync ceilings (kernels/mma_ceiling.cu), and one of the builds tools/variants.py
     --mma-ceilings asks for (every MMA twice, 2 accumulators a warp): both entry points, registers only, no local
     memory."""
     from kdtree.ceilings import KERNELS, SOURCE
@@ -213,57 +213,3 @@ def test_gather_ceiling_microkernels_compile_without_spills(arch):
     assert set(reports) == {f"gather_{stages}" for stages, _ in GATHERS.values()}
     for r in reports.values():
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0 and r.registers <= 64, r.line()
-
-
-@pytest.mark.parametrize("arch", ["sm_120", "sm_90a"])
-def test_gather_pair_probe_compiles_without_spills(arch):
-    """scripts/gather_pair_probe.py's gathers (kernels/gather_pair_probe.cu): every mode at 2 and 4 stages builds,
-    no local memory; on sm_120 ptxas flags the multicast form, the one that does not map to an instruction there."""
-    from kdtree.kernel.config import KERNEL_DIR
-
-    _, log = nvrtc_compile(arch, KernelConfig(), source=KERNEL_DIR / "gather_pair_probe.cu")
-    reports = {r.name: r for r in parse_ptxas(log, arch, KernelConfig())}
-    assert set(reports) == {f"gather_{m}_{s}" for m in ("bulk", "pair_fwd", "pair_mc", "pair_cp") for s in (2, 4)}
-    for r in reports.values():
-        assert r.spill_stores == r.spill_loads == r.stack_bytes == 0 and r.registers <= 64, r.line()
-    assert ("multicast::cluster" in log) == (arch == "sm_120")
-
-
-def _pair_probe_builds() -> dict:
-    """scripts/pair_verify_probe.py's PARTS (name -> -D switches), read from the script without importing it (it
-    needs CuPy and a GPU), plus the default build."""
-    import ast
-    from pathlib import Path
-
-    tree = ast.parse((Path(__file__).parent.parent / "scripts" / "pair_verify_probe.py").read_text())
-    (node,) = [n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PARTS"]
-    return {"default": (), **ast.literal_eval(node.value)}
-
-
-@pytest.mark.parametrize("name", list(_pair_probe_builds()))
-def test_pair_verify_probe_builds_fit_sm120(name):
-    """Every build scripts/pair_verify_probe.py times (kernels/pair_verify_probe.cu) compiles for sm_120 without
-    spills, so what it measures on the H200 is code an RTX PRO 6000 could run; the source's static_assert holds
-    each within sm_120's 101,376 B of shared memory unless the build says PROBE_OVER_LIMIT."""
-    from kdtree.kernel.config import KERNEL_DIR
-
-    defines = _pair_probe_builds()[name]
-    _, log = nvrtc_compile("sm_120", KernelConfig(), defines, source=KERNEL_DIR / "pair_verify_probe.cu")
-    reports = {r.name: r for r in parse_ptxas(log, "sm_120", KernelConfig())}
-    assert set(reports) == {"pair_verify", "pair_verify_smem_bytes"}
-    r = reports["pair_verify"]
-    assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, r.line()
-
-
-@pytest.mark.parametrize("n,a_smem", [(32, 1), (32, 0), (64, 1), (64, 0)], ids=["n32-smem", "n32-regs", "n64-smem", "n64-regs"])
-def test_wgmma_probe_compiles_unserialised(n, a_smem):
-    """scripts/wgmma_probe.py's QK chains (kernels/wgmma_probe.cu) build for sm_90a in each shape, without
-    spills, and ptxas keeps their wgmmas asynchronous (a serialised chain would time ptxas, not the tensor cores)."""
-    from kdtree.kernel.config import KERNEL_DIR
-
-    config = KernelConfig.for_arch("sm_90")  # (the wgmma configuration: NVRTC targets sm_90a)
-    source = KERNEL_DIR / "wgmma_probe.cu"
-    _, log = nvrtc_compile("sm_90", config, (f"-DPROBE_N={n}", f"-DPROBE_A_SMEM={a_smem}"), source=source)
-    (r,) = parse_ptxas(log, "sm_90a", config)
-    assert r.name == "wgmma_qk_probe" and r.arch == "sm_90a", r.line()
-    assert r.spill_stores == r.spill_loads == 0 and not r.problems, r.line()

@@ -513,7 +513,7 @@ def test_compute_sanitizer_is_clean(tool, capture, target, pdl):
     """On a small batch, the merge after a plain launch and as a programmatic dependent (the cost model runs the
     32-row body there); the third takes the fused merge (sm_120's configuration splits that batch so); the
     fourth runs the Hopper split-key body (skipped elsewhere). The 64-key-block body is not here: racecheck
-    reports hazards on its bar.arrive hand-overs that it also reports on correct code (scripts/racecheck_probe.py,
+    reports hazards on its bar.arrive hand-overs that it also reports on correct code (tools/racecheck_probe.py,
     docs/kernel-design.md, "racecheck on the 64-key-block body")."""
     from kdtree.kernel import device_arch
 

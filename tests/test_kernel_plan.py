@@ -574,7 +574,7 @@ def test_over_l2_a_split_plan_costs_l2_spread_cost_more(monkeypatch):
 def test_a_grid_of_one_row_tile_a_block():
     """`plan(grid=...)` below one block an SM slot: 130 equal row tiles (all keys) on 130 of 132 blocks run whole, one a block
     (every unit once, nothing split, no partial slots), where balanced over all 132 every tile is split in two; the
-    cost model counts the two segments a block of that split (scripts/variants.py times both)."""
+    cost model counts the two segments a block of that split (tools/variants.py times both)."""
     from kdtree.kernel import estimated_cost
 
     cap = synthesize(
@@ -621,27 +621,3 @@ def test_a_block_runs_its_last_segment_first(arch):
             assert walks[True][b] == segs[-1:] + segs[:-1] and segs[-1][1] == 0
         else:
             assert walks[True][b] == segs
-
-
-def test_the_l2_model_counts_cold_misses_and_favours_the_kernels_order():
-    """scripts/l2_model.py's LRU model of a plan's row reads: with a cache larger than the batch's rows only the
-    first read of each row misses; with one that holds a fraction of them, the kernel's order (a block's last
-    segment first) misses less than unit order on a batch whose blocks span two row tiles."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parent.parent / "scripts" / "l2_model.py"
-    spec = importlib.util.spec_from_file_location("l2_model", path)
-    l2_model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(l2_model)
-    cap = synthesize(SynthSpec(preset="kimi-k2-tp8", batch_size=8, prefix_lens=[2000], budget=64, seed=1), reference=False)
-    args, H = marshal(cap), cap.meta.num_heads
-    rows = len(np.unique(args.combined_kv_indices.numpy()))
-    config = KernelConfig.for_arch("sm_90")
-    kernel_order = plan(args, H, 132, config)
-    unit_order = plan(args, H, 132, config.in_unit_order())
-    assert (kernel_order.block_segments > 1).sum() > 50
-    reads, misses = l2_model.dram_rows(kernel_order, args, rows + 1, 5.0)
-    assert misses == rows and reads > 8 * rows  # each row read by every row tile of its request
-    small = rows // 2
-    assert l2_model.dram_rows(kernel_order, args, small, 5.0)[1] < 0.8 * l2_model.dram_rows(unit_order, args, small, 5.0)[1]

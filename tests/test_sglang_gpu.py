@@ -1,6 +1,6 @@
 """The kdtree backend inside SGLang, tested the way SGLang tests its own backends: SGLang 0.5.23's attention test
 kit (real ForwardBatch, ReqToTokenPool, MLATokenToKVPool, EagleVerifyInput; its MLA module and reference) with
-`backend="kdtree"`, on a GPU where SGLang imports (`scripts/gpu_session.sh sglang`).
+`backend="kdtree"`, on a GPU where SGLang imports (`tools/gpu_session.sh sglang`).
 
 `sgl_kernel` cannot be installed there: `tests/sglang_harness` stands in for it (its docstring lists the names
 it provides and their answers). The kdtree backend, SGLang's code and the kit are the real ones.
@@ -17,7 +17,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None:
-    pytest.skip("needs a CUDA GPU and SGLang (scripts/gpu_session.sh sglang)", allow_module_level=True)
+    pytest.skip("needs a CUDA GPU and SGLang (tools/gpu_session.sh sglang)", allow_module_level=True)
 
 from sglang_harness import install_sgl_kernel_shim  # noqa: E402
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the shipped synthetic captures byte for byte (kdtree synth is deterministic per seed).
-# The sglang-*.safetensors captures come from SGLang itself: scripts/sglang_captures.py on a GPU (README.md).
+# The sglang-*.safetensors captures come from SGLang itself: tools/sglang_captures.py on a GPU (README.md).
 # Usage: data/captured_batches/regenerate.sh [kdtree command]   (default: kdtree on PATH)
 set -euo pipefail
 cd "$(dirname "$0")"

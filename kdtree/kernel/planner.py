@@ -63,7 +63,7 @@ class LaunchPlan:
     def walk(self) -> list[tuple[int, int, int, int, int | None]]:
         """verify_mla_fwd's loop replayed on the host: (block, row tile, first key tile, end key tile, partial
         slot or None) for every segment, block by block, each block's in the order it runs them: its last segment
-        first (`KernelConfig.last_segment_first`), then the others in unit order (tests and scripts/trace_case.py)."""
+        first (`KernelConfig.last_segment_first`), then the others in unit order (tests and tools/trace_case.py)."""
         a = {k: v.cpu().numpy() for k, v in self.arrays.items()}
         out = []
         for c in range(self.grid):
@@ -81,7 +81,7 @@ class LaunchPlan:
 
 
 # What a block pays for each segment it works on beyond its tiles, in units (docs/kernel-design.md, "Stream-K
-# plan"): an H200 trace of the dims-split wgmma segment (scripts/trace_case.py) put 6.4 us of a segment in its
+# plan"): an H200 trace of the dims-split wgmma segment (tools/trace_case.py) put 6.4 us of a segment in its
 # prologue, first tile's wait and store, against 1.9-2.0 us a tile (3.3 units); timed side by side, 4 to 6 did
 # best. A split-key unit is 1.38 us (6.4 us: 4.6 units); 6 against 5 on it: mixed -5 %, small tree +4 %, the
 # geomean of the twelve bench cases' times 0.3 % lower, so 5 stays (docs/history/kernel-notes.md, "After v16").
@@ -94,7 +94,7 @@ FEW_UNIT_COST = 0.8
 FEW_UNIT_COST_DIMS = 0.6
 # A row tile of at most SHORT_TILE_UNITS key tiles (512 keys at 32-key tiles) is short: its segment weighs
 # SHORT_SEGMENT_UNITS more. An H200 trace of mixed's short requests on 64-key blocks put a segment of <= 4 units at
-# ~14 us, ~4 us above what its units and a long segment's overhead say (scripts/trace_case.py --blocks64,
+# ~14 us, ~4 us above what its units and a long segment's overhead say (tools/trace_case.py --blocks64,
 # docs/bench/trace-blocks64-h200.*); 4-8 units timed alike on mixed, the one bench case with short tiles
 # (docs/bench/variants-short-segments-h200.log; docs/history/kernel-notes.md, v24).
 SHORT_TILE_UNITS = 16
@@ -334,7 +334,7 @@ def plan(
     `few_row_weight(config)`).
     `fused_merge` (default: when no tile is split into more than FUSED_MERGE_SEGS partials, on the mma.sync
     paths) lets the kernel merge split tiles itself instead of launching verify_mla_merge. `grid` caps the
-    persistent blocks below one per SM slot (`scripts/variants.py`: whole row tiles a block). `align_shares`: the
+    persistent blocks below one per SM slot (`tools/variants.py`: whole row tiles a block). `align_shares`: the
     row tiles of requests whose tiles are each worth at least that many blocks' shares are cut at common key offsets
     (`aligned_split`, `choose_plan`'s aligned candidate), the rest balanced as before."""
     if grid is not None and grid < 1:
@@ -434,7 +434,7 @@ UNIT_COST = {"wgmma64": 1.0, "wgmma64_b64": 0.82, "mma64": 1.8, "mma32": 1.15}
 # the faster Hopper body on the eight bench cases timed on both, the ratio of the two bodies' times within 6 % rms
 # (docs/kernel-design.md, "Cost model", for the metric); an H200 trace puts a
 # long segment's overhead at ~7 us, a short one's at ~14 (docs/kernel-design.md, "Cost model";
-# scripts/choose_check.py times every candidate beside the pick).
+# tools/choose_check.py times every candidate beside the pick).
 SEGMENT_COST_PER_ROW = 9.0 / 64
 SEGMENT_COST_SCALE = {"wgmma64_b64": 10.0 / 9.0}
 # A split plan of a batch whose pool rows exceed L2 (`choose_plan`): its blocks read the keys at every offset at

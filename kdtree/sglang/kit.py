@@ -3,7 +3,7 @@ with kdtree's trees: a real `ForwardBatch`, `ReqToTokenPool`, `MLATokenToKVPool`
 kit's tiny DeepSeek-style MLA module on the absorbed path and its reference module, and any backend by name.
 
 The kit's own tree cases are limited (topk > 1 only with 3 draft tokens); `run_verify` takes any trees
-(`kdtree.trees`) through the kit's building blocks. Used by the GPU tests and `scripts/sglang_captures.py`.
+(`kdtree.trees`) through the kit's building blocks. Used by the GPU tests and `tools/sglang_captures.py`.
 Imports SGLang and its kit (GPU, SGLang importable).
 """
 

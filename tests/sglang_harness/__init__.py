@@ -14,7 +14,7 @@ import chain for the Triton attention backend, the MLA KV pool and the attention
 Every other name is missing, as in a build without it: another submodule raises ModuleNotFoundError and
 another attribute AttributeError (ImportError for `from sgl_kernel import x`), so SGLang's own guarded imports
 take the paths they take without sgl_kernel (e.g. its mock scalar types), and an unguarded one fails loudly.
-Every name asked for is recorded in `REQUESTED` (`scripts/sglang_imports.py` prints them).
+Every name asked for is recorded in `REQUESTED` (`tools/sglang_imports.py` prints them).
 """
 
 from __future__ import annotations

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
+# Usage (device machine, repository root): tools/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|server-check|server-tests|all] ...
+# (bench-chain: the chain cases with FlashInfer's causal MLA kernel beside kdtree; carry .whl/fi312.tar.xz alone)
+# (bench-chain-fa2: sm_120's configuration against FlashInfer's portable fa2 kernel, first as its dispatch sizes it
+#  for this GPU, then on a copy of FlashInfer edited to take the branch it takes at sm_120's ~100 KB a SM; carry
+#  .whl/fi312.tar.xz alone)
+# (bench-ref: the kernel of an earlier commit, `git archive <commit> kdtree kernels` unpacked in ref-<commit>/, carried)
+# (tensor-rate: the sm_120 configuration and 64 rows with Q in registers, each beside the same kernel with every MMA
+#  issued twice, a part with half this GPU's mma.sync rate per SM-cycle, on every bench case; the ceilings of both)
+# (server-check: `kdtree server-check` with the real sgl_kernel when .whl/sgl_kernel312.tar.xz is carried, else the
+#  test stand-in; SERVER_CHECK_ARGS adds options; carry .whl with site312.tar.xz and leave data/ behind;
+#  server-tests: tests/test_server_gpu.py the same way, SERVER_TESTS_K selects tests)
+# (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;
+#  quick: the shipped captures, the fused merge and determinism tests only)
+set -uo pipefail
+OUT=$(mkdir -p "${OUT:-gpu-out}" && cd "${OUT:-gpu-out}" >/dev/null && pwd) || exit 1  # absolute: bench-ref runs elsewhere
+if ls .whl/*.whl >/dev/null 2>&1; then   # carried wheels (SGLang and what its import chain needs)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+elif [ -f .whl/site312.tar.xz ]; then    # ... or those wheels installed here for cp312 and packed (xz: 17 MB, not 50; tools/pack_sglang.sh)
+  mkdir -p /tmp/site && tar -xJf .whl/site312.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site
+fi
+# the repository, and tests/ for the sgl_kernel stand-in (tests/sglang_harness) the sglang-* scripts import
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/tests" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n 25 "$OUT/$name.log"; echo "== $name rc=$rc ($((SECONDS - t0)) s)"
+  return $rc; }
+[ "${SKIP_COMPILE:-0}" = 1 ] || step compile 120 python3 -m kdtree compile --arch sm_90 --arch sm_120
+for w in "$@"; do [ "$w" = all ] && set -- smoke test; done
+[ $# -eq 0 ] && set -- smoke test
+for w in "$@"; do
+  case $w in
+    smoke) step diff 120 python3 -m kdtree diff data/captured_batches/*.safetensors --impl cuda \
+             || { echo "smoke failed: stopping"; exit 1; }
+           step bench 360 python3 -m kdtree bench -o "$OUT" ;;
+    quick) step diff 120 python3 -m kdtree diff data/captured_batches/*.safetensors --impl cuda
+           step quick 240 python3 -m pytest -q -x tests/test_kernel_gpu.py -k "fused or shipped or shared_memory or deterministic" ;;
+    bench) step bench 240 python3 -m kdtree bench -o "$OUT" ;;
+    bench-sm120) step bench-sm120 240 python3 -m kdtree bench -o "$OUT/sm120" --target sm_120 ;;
+    bench-chain|bench-chain-fa2) [ -f .whl/fi312.tar.xz ] && mkdir -p /tmp/site && { [ -d /tmp/site/flashinfer ] || tar -xJf .whl/fi312.tar.xz -C /tmp/site; } \
+                   && export PYTHONPATH="/tmp/site:$PYTHONPATH"  # FlashInfer for cp312, when carried (tools/pack_flashinfer.sh)
+                 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} PATH="$PATH:/usr/local/cuda/bin" \
+                   FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}  # its JIT's nvcc, for the H200
+                 if [ "$w" = bench-chain ]; then
+                   step test-flashinfer 330 python3 -m pytest -q -rs tests/test_kernel_gpu.py -k flashinfer
+                   step bench-chain 300 python3 -m kdtree bench --chain -o "$OUT/chain"
+                 else
+                   fa2=(python3 -m kdtree bench --chain --no-sglang --target sm_120 --flashinfer-backend fa2)
+                   step bench-chain-fa2 200 "${fa2[@]}" -o "$OUT/fa2"
+                   # a copy of FlashInfer whose MLA dispatch takes the branch it takes at sm_120's ~100 KB a SM
+                   # (92,672 <= smem < 147,968 B), with a JIT cache of its own; /tmp/site stays as shipped
+                   rm -rf /tmp/site-99k /tmp/fi-99k-cache && mkdir -p /tmp/site-99k && cp -r /tmp/site/flashinfer /tmp/site-99k/
+                   mla=/tmp/site-99k/flashinfer/data/include/flashinfer/attention/mla.cuh
+                   sed -i 's/smem_limit_per_sm >= 221696/smem_limit_per_sm >= 100000000/; s/smem_limit_per_sm >= 147968/smem_limit_per_sm >= 100000001/' "$mla"
+                   if grep -q "smem_limit_per_sm >= 100000001" "$mla"; then
+                     diff /tmp/site/flashinfer/data/include/flashinfer/attention/mla.cuh "$mla" > "$OUT/fa2-99k-header.diff"
+                     step bench-chain-fa2-99k 200 env PYTHONPATH="/tmp/site-99k:$PYTHONPATH" FLASHINFER_WORKSPACE_BASE=/tmp/fi-99k-cache \
+                       "${fa2[@]}" -o "$OUT/fa2-99k"
+                   else
+                     echo "bench-chain-fa2-99k: FlashInfer's shared-memory thresholds not found in $mla: not run"
+                   fi
+                 fi ;;
+    bench-ref) ref=$(ls -d ref-*/ 2>/dev/null | head -n 1)  # an earlier commit's kdtree/ and kernels/ (git archive), carried
+               [ -n "$ref" ] && (cd "$ref" && step bench-ref 240 python3 -m kdtree bench -o "$OUT/ref" --no-sglang) ;;  # (python -m imports from the working directory first)
+    test) step test-gpu 570 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
+    variants) step variants 300 python3 tools/variants.py --json "$OUT/variants.json" ;;
+    tensor-rate) step tensor-rate 420 python3 tools/variants.py --mma-ceilings --repeat 3 --cases "" \
+                   --variants sm120 bm64_regs --mma-repeat 1 2 --json "$OUT/tensor-rate.json" ;;
+    notebooks) [ -f .whl/nbsite312.tar.xz ] && mkdir -p /tmp/site && tar -xJf .whl/nbsite312.tar.xz -C /tmp/site \
+                 && export PYTHONPATH="/tmp/site:$PYTHONPATH"  # the notebook stack for cp312, when carried (tools/pack_notebooks.sh)
+               step notebooks 420 python3 -m pytest -q -rs tests/test_notebooks.py ;;
+    sglang) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1  # the plugin's entry point
+            step sglang-imports 300 python3 tools/sglang_imports.py
+            step test-sglang 540 python3 -m pytest -q -rs tests/test_sglang_gpu.py tests/test_serving_gpu.py ;;
+    sglang-captures) step sglang-captures 300 python3 tools/sglang_captures.py "$OUT" ;;
+    sglang-bench) step sglang-bench 420 python3 tools/sglang_bench.py "$OUT/bench-sglang.json" ;;
+    server-check) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1  # the plugin's entry point
+                  if [ -f .whl/sgl_kernel312.tar.xz ]; then   # the real sgl_kernel (tools/pack_sgl_kernel.sh)
+                    tar -xJf .whl/sgl_kernel312.tar.xz -C /tmp/site
+                  else                                       # else the test stand-in, in every server process
+                    export PYTHONPATH="$PWD/tests/sglang_harness/site:$PYTHONPATH" SGLANG_FORCE_FUSED_OP_BACKEND=torch \
+                      SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+                  fi
+                  step server-check "${SERVER_CHECK_LIMIT:-560}" python3 -m kdtree server-check -o /tmp/server-check \
+                    --model-dir /tmp/tiny-model ${SERVER_CHECK_ARGS:-}
+                  cp /tmp/server-check/report.json "$OUT/" 2>/dev/null  # and the servers' logs and captures in one archive:
+                  tar -cJf "$OUT/server-check.tar.xz" -C /tmp/server-check . 2>/dev/null ;;
+    server-tests) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1
+                  if [ -f .whl/sgl_kernel312.tar.xz ]; then tar -xJf .whl/sgl_kernel312.tar.xz -C /tmp/site
+                  else export PYTHONPATH="$PWD/tests/sglang_harness/site:$PYTHONPATH" SGLANG_FORCE_FUSED_OP_BACKEND=torch \
+                         SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1; fi
+                  export KDTREE_SERVER_TEST_OUT=/tmp/server-tests
+                  step server-tests "${SERVER_TESTS_LIMIT:-560}" python3 -m pytest -q -rs -s tests/test_server_gpu.py -k "${SERVER_TESTS_K:-}"
+                  (cd /tmp/server-tests && tar -cJf "$OUT/server-tests.tar.xz" --exclude=model --exclude='captures*' \
+                     ./*.log ./*.json ship 2>/dev/null) ;;
+  esac
+done
