@@ -1,4 +1,4 @@
-"""`kdtree` command line: info, synth, diff, compile, plan, bench, server-check.
+"""`kdtree` command line: info, synth, diff, compile, plan, bench, server-check, selfcheck.
 
 Exit codes: 0 success / within tolerance, 1 outside tolerance, 2 bad input (one line on stderr, no traceback).
 """
@@ -539,6 +539,44 @@ def server_check(
     typer.echo(json.dumps(report, indent=1, default=str) if as_json else format_report(report))
     typer.echo(f"report: {out / 'report.json'}", err=True)
     raise typer.Exit(0 if report["passed"] else 1)
+
+
+@app.command("selfcheck")
+def selfcheck_cmd(
+    impl: Optional[str] = typer.Option(None, help="cuda (the kernel; default on a GPU) or model (its torch model)"),
+    force: bool = typer.Option(False, "--force", help="check again even if this machine's verdict is cached"),
+    inject: Optional[str] = typer.Option(None, help="marshaling fault to inject (what a broken kernel looks like)"),
+    as_json: bool = typer.Option(False, "--json", help="print the verdict as JSON"),
+):
+    """The kernel's self-check on this machine: the shipped captures and seeded fuzz batches against the fp64
+    oracle, cached per (GPU, compute capability, driver, kernel source) in the user's cache directory (the SGLang
+    backend runs it before its first served step). Exit 0 on PASS, 1 on FAIL, 2 on bad options."""
+    from kdtree import selfcheck
+    from kdtree.impls import default_impl, unavailable
+    from kdtree.marshal import FAULTS
+
+    impl = impl or default_impl()
+    if impl not in ("cuda", "model"):
+        _fail(f"--impl: the self-check runs the kernel (cuda) or its torch model (model), not {impl!r}")
+    if why := unavailable(impl):
+        _fail(why)
+    if inject is not None and inject not in FAULTS:
+        _fail(f"--inject: unknown fault {inject!r}; expected one of {', '.join(FAULTS)}")
+    console = Console(stderr=True)
+    with console.status("selfcheck") as status:
+        verdict, cached = selfcheck.ensure(
+            impl,
+            force=force or inject is not None,
+            fault=inject,
+            on_row=lambda r: status.update(f"selfcheck: {r.name} {'PASS' if r.passed else 'FAIL'}"),
+        )
+    path = selfcheck.verdict_path(verdict.key)
+    if as_json:
+        typer.echo(json.dumps(verdict.to_json(), indent=1))
+    else:
+        typer.echo(selfcheck.format_verdict(verdict, path))
+        typer.echo("(cached verdict; --force checks again)" if cached else f"wrote {path}", err=True)
+    raise typer.Exit(0 if verdict.passed else 1)
 
 
 def main() -> None:
