@@ -1,0 +1,86 @@
+"""kdtree.tune on the CPU: the fit recovers a cost model from timings it generated, refuses what cannot be fitted,
+and the tuning file is refused when corrupt, foreign or stale (the planner then keeps the shipped model)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kdtree import tune
+from kdtree.tune import CostModel, Timed, TuneError, TuningFile
+
+TRUE = CostModel({"wgmma64": 1.0, "mma64": 1.5, "mma32": 0.9}, {"wgmma64": 7.0, "mma64": 8.0, "mma32": 3.0})
+US_PER_UNIT, LAUNCH_US = 1.7, 9.0
+
+
+def timings(model: CostModel, seed: int = 0, noise: float = 0.01, kinds=("wgmma64", "mma64", "mma32")) -> list[Timed]:
+    """Plans of 10-400 units on 1-12 segments timed as `model` says (plus a launch and 1 % noise)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for kind in kinds:
+        for _ in range(12):
+            units, segments = float(rng.integers(10, 400)), float(rng.integers(1, 12))
+            us = LAUNCH_US + US_PER_UNIT * (units * model.unit_cost[kind] + segments * model.segment_cost[kind])
+            out.append(Timed(kind, units, segments, us / 1e3 * (1 + noise * rng.standard_normal())))
+    return out
+
+
+def test_the_fit_recovers_the_model_that_made_the_timings():
+    f = tune.fit(timings(TRUE), base=tune.shipped_model())
+    assert sorted(f.fitted) == ["mma32", "mma64", "wgmma64"] and f.rms_rel < 0.03
+    for kind in f.fitted:
+        assert f.model.unit_cost[kind] == pytest.approx(TRUE.unit_cost[kind], rel=0.05), kind
+        assert f.model.segment_cost[kind] == pytest.approx(TRUE.segment_cost[kind], rel=0.25), kind
+    assert f.ms_per_unit == pytest.approx(US_PER_UNIT / 1e3, rel=0.05) and f.intercept_ms == pytest.approx(
+        LAUNCH_US / 1e3, abs=3e-3
+    )
+    shipped = tune.shipped_model()
+    unmeasured = set(shipped.unit_cost) - set(f.fitted)
+    assert unmeasured and all(f.model.unit_cost[k] == shipped.unit_cost[k] for k in unmeasured)
+
+
+def test_fitting_twice_on_fresh_timings_gives_the_same_model_within_noise():
+    a, b = tune.fit(timings(TRUE, seed=1)), tune.fit(timings(TRUE, seed=2))
+    for kind in a.fitted:
+        assert a.model.unit_cost[kind] == pytest.approx(b.model.unit_cost[kind], rel=0.05)
+
+
+def test_a_kind_measured_too_little_keeps_the_shipped_cost_and_the_reference_must_be_measured():
+    few = timings(TRUE, kinds=("wgmma64", "mma64")) + [Timed("mma32", 100.0, 2.0, 0.2)]
+    f = tune.fit(few)
+    assert "mma32" not in f.fitted and f.model.unit_cost["mma32"] == tune.shipped_model().unit_cost["mma32"]
+    with pytest.raises(TuneError, match="reference body"):
+        tune.fit(timings(TRUE, kinds=("mma64", "mma32")))
+    same_shape = [Timed("wgmma64", 100.0 * i, 2.0 * i, 0.1 * i) for i in range(1, 6)]  # proportional: rank 1
+    with pytest.raises(TuneError, match="reference body"):
+        tune.fit(same_shape)
+
+
+def test_a_tuning_file_round_trips_and_is_refused_when_corrupt_foreign_or_stale(tmp_path):
+    f = tune.fit(timings(TRUE))
+    path = tune.tuning_path("NVIDIA RTX PRO 6000 Blackwell", 188, tmp_path)
+    assert path.name == "nvidia-rtx-pro-6000-blackwell-188sm.json"
+    tune.save(TuningFile("NVIDIA RTX PRO 6000 Blackwell", 188, "abc123", f.model, f.fitted, f.rms_rel), path)
+    ok = tune.load(path, gpu="NVIDIA RTX PRO 6000 Blackwell", sms=188, source_hash="abc123")
+    assert ok.model == f.model and ok.fitted == f.fitted
+    with pytest.raises(TuneError, match="foreign .*NVIDIA H200"):
+        tune.load(path, gpu="NVIDIA H200", sms=132, source_hash="abc123")
+    with pytest.raises(TuneError, match="stale .*run kdtree tune"):
+        tune.load(path, gpu="NVIDIA RTX PRO 6000 Blackwell", sms=188, source_hash="def456")
+    good = json.loads(path.read_text())
+    for broken in ("{", json.dumps({"format": "other"}), json.dumps({**good, "sms": "many"}),
+                   json.dumps({**good, "model": {"unit_cost": {"wgmma64": -1.0}, "segment_cost": {}}})):  # fmt: skip
+        path.write_text(broken)
+        with pytest.raises(TuneError, match="corrupt"):
+            tune.load(path, gpu="NVIDIA RTX PRO 6000 Blackwell", sms=188, source_hash="abc123")
+    with pytest.raises(TuneError, match="cannot be read"):
+        tune.load(tmp_path / "none.json", gpu="x", sms=1, source_hash="y")
+
+
+def test_saving_a_model_with_an_impossible_cost_is_refused_and_writes_nothing(tmp_path):
+    bad = CostModel({"wgmma64": float("nan")}, {"wgmma64": 9.0})
+    with pytest.raises(TuneError, match="finite"):
+        tune.save(TuningFile("g", 1, "h", bad), tmp_path / "t.json")
+    assert not list(tmp_path.iterdir())
