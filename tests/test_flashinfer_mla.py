@@ -88,7 +88,7 @@ def test_load_says_why_flashinfer_is_missing(monkeypatch):
 
 
 def test_the_summary_has_flashinfer_columns_where_it_ran():
-    result = json.loads((ROOT / "docs/bench/bench-h200.json").read_text())
+    result = json.loads((ROOT / "tests/fixtures/bench-h200.json").read_text())
     assert "x fi" not in summary_table(result)
     timed = result["cases"][:3]
     for i, c in enumerate(timed):

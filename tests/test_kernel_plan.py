@@ -127,8 +127,8 @@ def test_the_plan_picks_the_cheaper_configuration_per_batch():
     few-row tiles, FlashMLA's schedule on 64-key blocks, mma.sync at 32) the small tree, the 4k batch and 64 x N1
     keep the split-key body with few-row tiles (0.054 / 0.038 / 0.095 ms against 0.059 / 0.040 / 0.110 on 64-key
     blocks, whose segments cost more and are padded to pairs of blocks:
-    docs/bench/variants-b64-segment-weight-h200.log), the other batches take 64-key blocks (32k x4 1.131 against
-    1.453 ms; mixed 0.227 against 0.242, docs/bench/variants-short-segments-main-h200.log; mma.sync at 32 rows
+    docs/history/bench/variants-b64-segment-weight-h200.log), the other batches take 64-key blocks (32k x4 1.131 against
+    1.453 ms; mixed 0.227 against 0.242, docs/history/bench/variants-short-segments-main-h200.log; mma.sync at 32 rows
     measured 1.15x a wgmma unit's time); where 64 rows means mma.sync (sm_100), the small tree and the 4k batch take
     32 rows (v7: 0.088 vs 0.098 ms)."""
     from kdtree.bench import ALL_CASES, CASES
@@ -254,7 +254,7 @@ def test_plans_with_long_requests_aligned_still_do_every_unit_once():
 def test_choose_plan_cuts_only_mixed_alike(monkeypatch):
     """Of the twelve bench cases on sm_90's candidates (with and without the H200's L2), only mixed takes the aligned
     candidate: its 45,000-key request cut alike on 64-key blocks, the plan the cost model weighs cheapest (0.208 ms
-    against 0.224 balanced, docs/bench/variants-aligned-h200.log); with no request long enough, or `aligned`=False,
+    against 0.224 balanced, docs/history/bench/variants-aligned-h200.log); with no request long enough, or `aligned`=False,
     it is the balanced plan on 64-key blocks again."""
     import kdtree.kernel.planner as planner
     from kdtree.bench import ALL_CASES

@@ -11,7 +11,7 @@ from conftest import ROOT
 
 
 def test_bench_figure_from_a_measured_result():
-    result = json.loads((ROOT / "docs/bench/bench-h200.json").read_text())
+    result = json.loads((ROOT / "tests/fixtures/bench-h200.json").read_text())
     fig = bench_figure(result)
     assert isinstance(fig, Figure)
     ax, ax2 = fig.axes
@@ -29,7 +29,7 @@ def test_bench_figure_from_a_measured_result():
 
 def test_bench_figure_draws_flashinfer_where_it_ran():
     """The chain bench's figure (kdtree bench --chain) has FlashInfer's bars beside kdtree's, in the run's order."""
-    result = json.loads((ROOT / "docs/bench/bench-chain-h200.json").read_text())
+    result = json.loads((ROOT / "tests/fixtures/bench-chain-h200.json").read_text())
     ax, _ = bench_figure(result).axes
     assert [t.get_text() for t in ax.get_legend().get_texts()][-3:] == ["kdtree", "flashinfer", "torch"]
     n = len(result["cases"])
@@ -40,7 +40,7 @@ def test_bench_figure_draws_flashinfer_where_it_ran():
 def test_sglang_bench_figure_from_a_measured_result():
     from kdtree.plots import sglang_bench_figure
 
-    result = json.loads((ROOT / "docs/bench/sglang-serving-h200.json").read_text())
+    result = json.loads((ROOT / "tests/fixtures/sglang-serving-h200.json").read_text())
     fig = sglang_bench_figure(result)
     left, right, host = fig.axes
     assert len(left.patches) == 4 * len(result["cases"]) and len(right.patches) == 2 * len(result["cases"])
@@ -56,7 +56,7 @@ def test_bench_summary_reports_fractions_of_every_ceiling_and_the_geomean():
     ceilings = {"matmul_bf16_tflops": 800.0, "copy_tbps": 4.0, "mma_sync_raw_tflops": 600.0, "mma_sync_ldmatrix_tflops": 400.0}
     assert ceiling_fractions(200.0, ceilings) == {"matmul_bf16": 0.25, "mma_sync_raw": 200 / 600, "mma_sync_ldmatrix": 0.5}
     assert ceiling_fractions(200.0, {"matmul_bf16_tflops": 800.0}) == {"matmul_bf16": 0.25}
-    result = json.loads((ROOT / "docs/bench/bench-h200.json").read_text())
+    result = json.loads((ROOT / "tests/fixtures/bench-h200.json").read_text())
     result["geomean_speedup_vs_sglang"] = geomean([c["impls"]["kdtree"]["speedup_vs_sglang"] for c in result["cases"]])
     speedups = np.array([c["impls"]["kdtree"]["speedup_vs_sglang"] for c in result["cases"]])
     want = float(np.exp(np.log(speedups).mean()))  # 13.98 on the H200's run of all 12 cases
@@ -78,7 +78,7 @@ def test_bench_summary_reports_fractions_of_every_ceiling_and_the_geomean():
             f"{gath:.2f}",
             f"{100 * gath / ceil['gather_l2_tbps']:.0f}%",
         ]
-    sm120 = json.loads((ROOT / "docs/bench/bench-sm120-config-h200.json").read_text())
+    sm120 = json.loads((ROOT / "tests/fixtures/bench-sm120-config-h200.json").read_text())
     for c in sm120["cases"]:  # the sm_120 configuration's 2-stage ring is held against the 2-stage ceiling
         k = c["impls"]["kdtree"]
         assert k["stages"] == 2 and k["fraction_of"]["gather_l2"] == pytest.approx(

@@ -1,4 +1,4 @@
-// Two CTAs of a cluster sharing their pool-row gathers (experiments/gather_pair_probe.py; docs/kernel-design.md, "A
+// Two CTAs of a cluster sharing their pool-row gathers (experiments/gather_pair_probe.py; docs/history/kernel-design-log.md, "A
 // cluster for sm_120"): does a tile land faster in both CTAs when each reads half its rows from L2 and hands that
 // half to the other, than when each reads all of them? The same 32-row tiles of 1,152-byte rows by slot id as
 // gather_ceiling.cu, into a ring of STAGES stages, nothing else done with them; rows move as one bulk copy each
@@ -10,7 +10,7 @@
 //   gather_pair_cp_S  a cluster of 2: each CTA's 16 rows by the kernel's 16-byte cp.async (128 of the waiting
 //                     threads, 8 a row; their completion tracked by the stage's mbarrier), forwarded as in
 //                     gather_pair_fwd_S.
-// Of the pair forms only the forward maps to instructions on sm_120 (docs/kernel-design.md). A stage is reused once both CTAs have waited for it (an `empty` mbarrier
+// Of the pair forms only the forward maps to instructions on sm_120 (docs/history/kernel-design-log.md). A stage is reused once both CTAs have waited for it (an `empty` mbarrier
 // of count 2, one arrival from each). Each waiting thread XORs one word of every tile it saw land into `out`;
 // `stamps` gets each CTA's %globaltimer at start and end (waves show as CTAs that start after others end).
 #include <cuda_bf16.h>

@@ -1,4 +1,4 @@
-// A producer/consumer pair of CTAs for the mma.sync path (experiments/pair_verify_probe.py; docs/kernel-design.md,
+// A producer/consumer pair of CTAs for the mma.sync path (experiments/pair_verify_probe.py; docs/history/kernel-design-log.md,
 // "A producer/consumer pair for sm_120"): how fast can 64 query rows run against their keys when one CTA of a
 // cluster of 2 scores them (QK and the softmax) and the other accumulates P V, each in sm_120's 99 KB?
 // The steady state of a long request only: one 64-row tile a cluster over `nkeys` keys (a multiple of 32)

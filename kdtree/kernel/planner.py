@@ -95,8 +95,8 @@ FEW_UNIT_COST_DIMS = 0.6
 # A row tile of at most SHORT_TILE_UNITS key tiles (512 keys at 32-key tiles) is short: its segment weighs
 # SHORT_SEGMENT_UNITS more. An H200 trace of mixed's short requests on 64-key blocks put a segment of <= 4 units at
 # ~14 us, ~4 us above what its units and a long segment's overhead say (tools/trace_case.py --blocks64,
-# docs/bench/trace-blocks64-h200.*); 4-8 units timed alike on mixed, the one bench case with short tiles
-# (docs/bench/variants-short-segments-h200.log; docs/history/kernel-notes.md, v24).
+# docs/history/bench/trace-blocks64-h200.*); 4-8 units timed alike on mixed, the one bench case with short tiles
+# (docs/history/bench/variants-short-segments-h200.log; docs/history/kernel-notes.md, v24).
 SHORT_TILE_UNITS = 16
 SHORT_SEGMENT_UNITS = 6.0
 
@@ -213,7 +213,7 @@ ALIGN_SLACK = 1.06  # an aligned split may put this much more work than the bala
 # its row tiles is worth at least ALIGN_SHARES blocks' shares, and the split weighs a segment ALIGN_SEGMENT_UNITS (a
 # short tile's SHORT_SEGMENT_UNITS more, as timed). An H200 trace of mixed so planned fitted 1.05-1.06 us a unit and
 # 12.2-12.6 us a segment, short or long, over its 132 blocks; the weights 5, 8, 10 and 12 timed side by side, 12 the
-# fastest (docs/kernel-design.md, "Pool rows over L2"; docs/bench/trace-aligned-h200.*, variants-aligned-h200.log).
+# fastest (docs/kernel-design.md, "Pool rows over L2"; docs/history/bench/trace-aligned-h200.*, variants-aligned-h200.log).
 ALIGN_SHARES = 6.0
 ALIGN_SEGMENT_UNITS = 12.0
 
