@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from kdtree.errors import BadInput
 from kdtree.format import (  # noqa: F401 - the format's names, re-exported where they were always imported from
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -355,16 +356,16 @@ def load(path: str | os.PathLike, *, validate: bool = True) -> Capture:
 
 
 def capture_files(where: str | os.PathLike) -> list[Path]:
-    """A capture file as given, or the capture files (*.safetensors) of a directory, sorted; ValueError naming
+    """A capture file as given, or the capture files (*.safetensors) of a directory, sorted; BadInput naming
     the path when it does not exist or the directory holds none."""
     p = Path(where).expanduser()
     if p.is_dir():
         found = sorted(p.glob("*.safetensors"))
         if not found:
-            raise ValueError(f"{p}: a directory with no capture files (*.safetensors)")
+            raise BadInput(f"{p}: a directory with no capture files (*.safetensors)")
         return found
     if not p.exists():
-        raise ValueError(f"{p}: no such file or directory")
+        raise BadInput(f"{p}: no such file or directory")
     return [p]
 
 

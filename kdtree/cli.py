@@ -1,6 +1,8 @@
 """`kdtree` command line: info, synth, diff, compile, plan, bench, server-check, selfcheck.
 
-Exit codes: 0 success / within tolerance, 1 outside tolerance, 2 bad input (one line on stderr, no traceback).
+Exit codes: 0 success / within tolerance; 1 outside tolerance or a failed check; 2 bad input (`BadInput`, raised
+where the input is checked: one line on stderr naming what and where, no traceback, nothing written); 3 a bug in
+kdtree (any other exception: its traceback, then a line asking to report it).
 """
 
 from __future__ import annotations
@@ -8,15 +10,18 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from functools import wraps
 from pathlib import Path
 from typing import List, Optional
 
+import click
 import typer
 from rich.console import Console
 from rich.progress import Progress
 
-from kdtree.capture import CaptureError, load, save
+from kdtree.capture import load, save
+from kdtree.errors import BadInput
 
 app = typer.Typer(
     add_completion=False,
@@ -26,32 +31,62 @@ app = typer.Typer(
 )
 
 
-def _fail(msg: str) -> None:
-    typer.echo(f"kdtree: error: {msg}", err=True)
-    raise typer.Exit(2)
+BAD_INPUT_EXIT = 2
+BUG_EXIT = 3
+BUG_HINT = "kdtree: this is a bug; please report it with the traceback above"
+# how typer and click end a command on purpose (an exit code, a usage error, an abort): not errors of kdtree's
+_CLI_EXITS = (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException)
 
 
-def bad_input_exits_2(fn):
-    """Turn the errors that mean 'bad input' into one line and exit code 2."""
+def exit_codes(fn):
+    """Bad input (BadInput) -> one line on stderr and exit 2; any other exception is a bug -> its traceback, a
+    line asking to report it, exit 3. An IndexError or KeyError is a bug too: bad input is checked and raised as
+    BadInput where it is read, never inferred from an exception's type."""
 
     @wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (CaptureError, ValueError, KeyError, IndexError, FileNotFoundError) as e:
-            _fail(str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e))
+        except _CLI_EXITS:
+            raise
+        except BadInput as e:
+            typer.echo(f"kdtree: error: {e}", err=True)
+            raise typer.Exit(BAD_INPUT_EXIT) from None
+        except Exception:
+            traceback.print_exc()
+            typer.echo(BUG_HINT, err=True)
+            raise typer.Exit(BUG_EXIT) from None
 
     return wrapper
+
+
+def command(name: str | None = None):
+    """`app.command`, with `exit_codes` around the command: every command maps its errors the same way."""
+
+    def register(fn):
+        return app.command(name)(exit_codes(fn))
+
+    return register
 
 
 def _int_list(text: str, what: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip() != ""]
     except ValueError:
-        raise ValueError(f"{what}: expected comma-separated integers, got {text!r}") from None
+        raise BadInput(f"{what}: expected comma-separated integers, got {text!r}") from None
     if not values:
-        raise ValueError(f"{what}: expected at least one integer")
+        raise BadInput(f"{what}: expected at least one integer")
     return values
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` can be imported, without importing it (its parent packages are)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing
+        return False
 
 
 def _capture_paths(paths: List[Path]) -> list[Path]:
@@ -68,8 +103,7 @@ def _progress(total: int, label: str) -> Progress:
     return p
 
 
-@app.command()
-@bad_input_exits_2
+@command()
 def info(
     captures: List[Path] = typer.Argument(..., help="capture files (.safetensors), or directories of them"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
@@ -84,8 +118,7 @@ def info(
         typer.echo("\n".join(format_summary(s) for s in summaries))
 
 
-@app.command()
-@bad_input_exits_2
+@command()
 def synth(
     output: Path = typer.Option(..., "--output", "-o", help="where to write the capture"),
     preset: str = typer.Option("kimi-k2-tp8", help="kimi-k2-tp8 (H=8), deepseek-v3-tp8 (H=16), kimi-k2-dp (H=64)"),
@@ -108,7 +141,7 @@ def synth(
     from kdtree.synth import SynthSpec, synthesize
 
     if output.exists() and not force:
-        raise ValueError(f"{output} exists; pass --force to overwrite it")
+        raise BadInput(f"{output} exists; pass --force to overwrite it")
     spec = SynthSpec(
         preset=preset,
         batch_size=batch,
@@ -129,8 +162,7 @@ def synth(
     typer.echo(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB): {load(output)!r}")  # read back: it validates
 
 
-@app.command()
-@bad_input_exits_2
+@command()
 def diff(
     captures: List[Path] = typer.Argument(..., help="capture files (.safetensors), or directories of them"),
     impl: Optional[str] = typer.Option(
@@ -146,7 +178,7 @@ def diff(
     """Run an implementation on captures and diff it against a reference, per layer.
 
     Prints `[kdtree] L<layer> max_abs_diff=... mean=... rel=...` per layer; exit 0 when every layer
-    passes, 1 when any is outside tolerance, 2 on bad input.
+    passes, 1 when any is outside tolerance, 2 on bad input, 3 on a bug.
     """
     from kdtree.impls import IMPLS, default_impl, diff_capture, unavailable
     from kdtree.marshal import FAULTS
@@ -154,20 +186,32 @@ def diff(
     impl = impl or default_impl()
     for name, what in ((impl, "--impl"), (ref, "--ref")):
         if name not in IMPLS:
-            raise ValueError(f"{what}: unknown implementation {name!r}; expected one of {', '.join(IMPLS)}")
+            raise BadInput(f"{what}: unknown implementation {name!r}; expected one of {', '.join(IMPLS)}")
     for name in {impl, ref}:
         why = unavailable(name)
         if why:
-            raise ValueError(why)
+            raise BadInput(why)
     if inject is not None and inject not in FAULTS:
-        raise ValueError(f"--inject: unknown fault {inject!r}; expected one of {', '.join(FAULTS)}")
+        raise BadInput(f"--inject: unknown fault {inject!r}; expected one of {', '.join(FAULTS)}")
+    if inject is not None and not IMPLS[impl][1]:
+        marshaled = ", ".join(k for k, v in IMPLS.items() if v[1])
+        raise BadInput(f"--inject needs an --impl that reads the marshaled arguments ({marshaled}), not {impl!r}")
+    if device is not None:
+        import torch
+
+        if device != "cpu" and not device.startswith("cuda"):
+            raise BadInput(f"--device: cpu or cuda, got {device!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise BadInput(f"--device {device}: this machine has no CUDA GPU")
+        if device == "cpu" and "cuda" in (impl, ref):
+            raise BadInput("--impl cuda runs the kernel on a GPU, not with --device cpu")
     if not tol > 0:
-        raise ValueError(f"--tol must be > 0, got {tol}")
+        raise BadInput(f"--tol must be > 0, got {tol}")
     loaded = [load(p) for p in _capture_paths(captures)]  # validate every capture before running anything
     for cap in loaded:
         for lid in layer or []:
             if lid not in cap.meta.layer_ids:
-                raise ValueError(f"{cap.where}: --layer {lid} not in the capture's layers {cap.meta.layer_ids}")
+                raise BadInput(f"{cap.where}: --layer {lid} not in the capture's layers {cap.meta.layer_ids}")
     total = sum(len(layer or cap.meta.layer_ids) for cap in loaded)
     report, all_passed = [], True
     with _progress(total, f"diff {impl} vs {ref}") as progress:
@@ -211,7 +255,7 @@ def diff(
     raise typer.Exit(0 if all_passed else 1)
 
 
-@app.command("compile")
+@command("compile")
 def compile_(
     arch: List[str] = typer.Option(["sm_120", "sm_90"], "--arch", help="targets (repeatable): sm_120, sm_90, sm_89, ..."),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
@@ -231,17 +275,22 @@ def compile_(
 
     for a in arch:
         if a not in ARCH_LIMITS:
-            _fail(f"--arch: unknown target {a!r}; expected one of {', '.join(ARCH_LIMITS)}")
-    try:
-        if nvrtc_lib is not None:
+            raise BadInput(f"--arch: unknown target {a!r}; expected one of {', '.join(ARCH_LIMITS)}")
+    if nvrtc_lib is not None:
+        try:
             use_nvrtc_library(nvrtc_lib)
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+        except OSError as e:  # not a library the loader takes
+            raise BadInput(f"--nvrtc: cannot load {nvrtc_lib}: {e}") from None
+    if not _importable("cuda.bindings.nvrtc"):
+        raise BadInput("kdtree compile needs NVRTC: pip install -e '.[nvrtc]' (cuda-bindings, nvidia-cuda-nvrtc)")
+    try:
         # every configuration the target may run (sm_90: BM 64, and BM 32 for small batches)
         reports = [r for a in arch for c in KernelConfig.candidates(a) for r in compile_report(a, c)]
-    except KernelCompileError as e:
+    except KernelCompileError as e:  # the kernel source does not build: NVRTC's log, as it names the lines
         typer.echo(str(e), err=True)
-        raise typer.Exit(2) from None
-    except (RuntimeError, ValueError, OSError) as e:
-        _fail(str(e))
+        raise typer.Exit(BAD_INPUT_EXIT) from None
     if as_json:
         import dataclasses
 
@@ -253,8 +302,7 @@ def compile_(
     raise typer.Exit(0 if all(r.ok for r in reports) else 1)
 
 
-@app.command("plan")
-@bad_input_exits_2
+@command("plan")
 def plan_(
     captures: Optional[List[Path]] = typer.Argument(None, help="capture files (.safetensors), or directories of them"),
     case: Optional[List[str]] = typer.Option(None, help="bench cases whose name contains this (repeatable)"),
@@ -273,11 +321,11 @@ def plan_(
     from kdtree.plan_report import format_report, plan_report
 
     if target not in TARGET_NAMES:
-        raise ValueError(f"--target: unknown target {target!r}; expected one of {' '.join(TARGET_NAMES)}")
+        raise BadInput(f"--target: unknown target {target!r}; expected one of {' '.join(TARGET_NAMES)}")
     if sms < 1 or not math.isfinite(l2_mib) or l2_mib < 0:
-        raise ValueError(f"--sms must be at least 1 and --l2-mib finite and not negative (got {sms}, {l2_mib})")
+        raise BadInput(f"--sms must be at least 1 and --l2-mib finite and not negative (got {sms}, {l2_mib})")
     if not captures and not case:
-        raise ValueError("give capture files, or --case with a bench case's name")
+        raise BadInput("give capture files, or --case with a bench case's name")
     batches = [(str(p), load(p)) for p in _capture_paths(captures or [])]
     if case:
         from kdtree import bench as b
@@ -285,7 +333,7 @@ def plan_(
 
         picked = b.select_cases(case)
         if not picked:
-            raise ValueError(f"--case matches none of: {', '.join(c.name for c in b.ALL_CASES)}")
+            raise BadInput(f"--case matches none of: {', '.join(c.name for c in b.ALL_CASES)}")
         batches += [(c.name, synthesize(c.spec(), reference=False)) for c in picked]
     configs = KernelConfig.candidates(target)
     l2_bytes = int(l2_mib * 2**20)
@@ -299,7 +347,7 @@ def plan_(
         typer.echo("\n\n".join(format_report(f"{r['batch']}: {target}", r) for r in reports))
 
 
-@app.command()
+@command()
 def bench(
     out: Path = typer.Option(Path("bench-out"), "--out", "-o", help="folder for bench.json and bench.png"),
     case: Optional[List[str]] = typer.Option(
@@ -347,42 +395,45 @@ def bench(
     from kdtree.impls import gpu_available
 
     if chain and sglang_backend:
-        _fail("--chain and --sglang do not combine: --sglang times the backend on DDTree steps")
+        raise BadInput("--chain and --sglang do not combine: --sglang times the backend on DDTree steps")
     grid = {"prompt_lens": prompt_len, "batches": batch, "draft_tokens": draft_tokens, "heads": heads}
     if server:
         _bench_server(out, {k: tuple(v) for k, v in grid.items() if v})
         return
     if any(grid.values()):
-        _fail("--prompt-len, --batch, --draft-tokens and --heads go with --server")
+        raise BadInput("--prompt-len, --batch, --draft-tokens and --heads go with --server")
     from kdtree.flashinfer_mla import BACKENDS
 
     if flashinfer_backend is not None and (not chain or flashinfer_backend not in BACKENDS):
-        _fail(f"--flashinfer-backend: one of {' '.join(BACKENDS)}, with --chain (got {flashinfer_backend!r})")
-    if target is not None:
-        from kdtree.kernel.config import TARGET_NAMES
+        raise BadInput(f"--flashinfer-backend: one of {' '.join(BACKENDS)}, with --chain (got {flashinfer_backend!r})")
+    from kdtree.kernel.config import TARGET_NAMES
 
+    if target is not None:
         if target not in TARGET_NAMES:
-            _fail(f"--target: unknown target {target!r}; expected one of {' '.join(TARGET_NAMES)}")
+            raise BadInput(f"--target: unknown target {target!r}; expected one of {' '.join(TARGET_NAMES)}")
         os.environ["KDTREE_KERNEL_TARGET"] = target  # read when the kernel is built (kdtree.kernel.target_arch)
+    elif os.environ.get("KDTREE_KERNEL_TARGET", "") not in ("", *TARGET_NAMES):
+        named = os.environ["KDTREE_KERNEL_TARGET"]
+        raise BadInput(f"KDTREE_KERNEL_TARGET={named!r}: expected one of {' '.join(TARGET_NAMES)}")
     if not gpu_available():
-        _fail("kdtree bench needs a CUDA GPU and CuPy (pip install -e '.[cuda13]')")
+        raise BadInput("kdtree bench needs a CUDA GPU and CuPy (pip install -e '.[cuda13]')")
     if sglang_backend:
         import importlib.util
 
         if importlib.util.find_spec("sglang") is None:
-            _fail("kdtree bench --sglang needs SGLang (pip install -e '.[sglang]')")
+            raise BadInput("kdtree bench --sglang needs SGLang (pip install -e '.[sglang]')")
         from kdtree.sglang import bench as sb
 
         picked = [c for c in sb.CASES if not case or any(p in c.name for p in case)]
         if not picked:
-            _fail(f"--case matches none of: {', '.join(c.name for c in sb.CASES)}")
+            raise BadInput(f"--case matches none of: {', '.join(c.name for c in sb.CASES)}")
         result = sb.run(picked, log=typer.echo)
         sb.save(result, out / "bench-sglang.json")
         typer.echo(f"wrote {out / 'bench-sglang.json'}")
         return
     cases = b.select_cases(case) if case else list(b.ALL_CASES)
     if not cases:
-        _fail(f"--case matches none of: {', '.join(c.name for c in b.ALL_CASES)}")
+        raise BadInput(f"--case matches none of: {', '.join(c.name for c in b.ALL_CASES)}")
     if chain:
         cases = [c.as_chain() for c in cases]
     backends = (flashinfer_backend,) if flashinfer_backend else None
@@ -408,19 +459,15 @@ def _bench_server(out: Path, grid: dict) -> None:
     from kdtree.server import bench as sb
 
     settings = sb.ServerBenchSettings(**grid)
-    try:
-        settings.check()
-    except ValueError as e:
-        _fail(str(e))
+    settings.check()
     if importlib.util.find_spec("sglang") is None:
-        _fail("kdtree bench --server needs SGLang (pip install -e '.[sglang]')")
+        raise BadInput("kdtree bench --server needs SGLang (pip install -e '.[sglang]')")
     if not torch.cuda.is_available():
-        _fail("kdtree bench --server needs a CUDA GPU")
-    from kdtree.server.checkpoint import CheckpointError
+        raise BadInput("kdtree bench --server needs a CUDA GPU")
     from kdtree.server.process import sigterm_as_interrupt
 
     if out.exists() and not out.is_dir():
-        _fail(f"--out {out}: exists and is not a directory")
+        raise BadInput(f"--out {out}: exists and is not a directory")
     console = Console(stderr=True)
     try:
         with sigterm_as_interrupt(), console.status("bench --server") as status:
@@ -430,8 +477,6 @@ def _bench_server(out: Path, grid: dict) -> None:
             f"kdtree bench --server: interrupted; servers stopped; partial result in {out / 'bench-server.json'}", err=True
         )
         raise typer.Exit(_interrupt_code(e)) from None
-    except CheckpointError as e:
-        _fail(str(e))
     typer.echo(sb.format_table(result["pairs"]))
     from kdtree.plots import server_bench_figure
 
@@ -443,7 +488,7 @@ def _bench_server(out: Path, grid: dict) -> None:
     raise typer.Exit(1 if result["problems"] else 0)
 
 
-@app.command("server-check")
+@command("server-check")
 def server_check(
     out: Path = typer.Option(
         Path("server-check"), "--out", "-o", help="folder for report.json, each mode's server log, captures"
@@ -481,7 +526,7 @@ def server_check(
     import importlib.util
 
     from kdtree.server.check import CheckSettings, run_check
-    from kdtree.server.checkpoint import CheckpointError, TinySpec
+    from kdtree.server.checkpoint import TinySpec
     from kdtree.server.process import sigterm_as_interrupt
     from kdtree.server.report import format_report
 
@@ -500,26 +545,23 @@ def server_check(
         startup_timeout=startup_timeout,
         extra_args=tuple(server_arg or ()),
     )
-    try:
-        spec.check()
-        settings.check()
-    except ValueError as e:
-        _fail(str(e))
+    spec.check()
+    settings.check()
     if out.exists() and not out.is_dir():
-        _fail(f"--out {out}: exists and is not a directory")
+        raise BadInput(f"--out {out}: exists and is not a directory")
     for module, what in (
         ("sglang", "SGLang (pip install -e '.[sglang]')"),
         ("transformers", "transformers"),
         ("tokenizers", "tokenizers"),
     ):
         if importlib.util.find_spec(module) is None:
-            _fail(f"kdtree server-check needs {what}")
+            raise BadInput(f"kdtree server-check needs {what}")
     import torch
 
     if not torch.cuda.is_available():
-        _fail("kdtree server-check needs a CUDA GPU (it launches a real SGLang server)")
+        raise BadInput("kdtree server-check needs a CUDA GPU (it launches a real SGLang server)")
     if tp > torch.cuda.device_count():
-        _fail(f"--tp {tp}: this machine has {torch.cuda.device_count()} GPU(s)")
+        raise BadInput(f"--tp {tp}: this machine has {torch.cuda.device_count()} GPU(s)")
     console = Console(stderr=True)
     try:
         with sigterm_as_interrupt(), console.status("server-check") as status:
@@ -534,8 +576,6 @@ def server_check(
     except KeyboardInterrupt as e:
         typer.echo(f"kdtree server-check: interrupted; servers stopped; partial report in {out / 'report.json'}", err=True)
         raise typer.Exit(_interrupt_code(e)) from None
-    except CheckpointError as e:
-        _fail(str(e))
     typer.echo(json.dumps(report, indent=1, default=str) if as_json else format_report(report))
     typer.echo(f"report: {out / 'report.json'}", err=True)
     raise typer.Exit(0 if report["passed"] else 1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from kdtree.errors import BadInput
+
 FORMAT_NAME = "kdtree-capture"
 FORMAT_VERSION = 1
 
@@ -15,7 +17,7 @@ LAYER_TENSORS = ("q", "k", "o", "kv_buffer")
 OPTIONAL_LAYER_TENSORS = ("v", "lse")
 
 
-class CaptureError(ValueError):
+class CaptureError(BadInput):
     """A capture that breaks a rule of the format: says which file, which tensor and which rule."""
 
     def __init__(self, where: str | os.PathLike | None, tensor: str | None, message: str):

@@ -9,6 +9,7 @@ import torch
 
 from kdtree.capture import Capture
 from kdtree.diff import DEFAULT_TOLERANCE, LayerDiff, compare
+from kdtree.errors import BadInput
 from kdtree.marshal import marshal
 from kdtree.model import kernel_model
 from kdtree.outputs import AttnOutput, poisoned
@@ -33,7 +34,7 @@ def _cuda(cap: Capture, layer_id: int, device, fault):
     from kdtree.kernel import VerifyKernel
 
     if not str(device).startswith("cuda"):
-        raise ValueError("--impl cuda runs on a GPU; this machine has none (use --impl model)")
+        raise BadInput("--impl cuda runs on a GPU; this machine has none (use --impl model)")
     kern = VerifyKernel.get()
     args = marshal(cap, fault)
     layer = cap.layer(layer_id)
@@ -99,11 +100,11 @@ def default_device() -> str:
 
 def run_impl(name: str, cap: Capture, layer_id: int, *, fault: str | None = None, device=None) -> AttnOutput:
     if name not in IMPLS:
-        raise ValueError(f"unknown implementation {name!r}; expected one of {', '.join(IMPLS)}")
+        raise BadInput(f"unknown implementation {name!r}; expected one of {', '.join(IMPLS)}")
     fn, marshaled, _ = IMPLS[name]
     if fault is not None and not marshaled:
         marshaled_names = [k for k, v in IMPLS.items() if v[1]]
-        raise ValueError(
+        raise BadInput(
             f"--inject needs an implementation that reads the marshaled arguments ({', '.join(marshaled_names)}), not {name!r}"
         )
     return fn(cap, layer_id, device or default_device(), fault)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kdtree.capture import Capture
+from kdtree.errors import BadInput
 
 FAULTS = {
     "prefix-only-kv": "treat kv_indices (prefix only) as all keys: the draft keys at out_cache_loc are never read",
@@ -80,7 +81,7 @@ def unpack_bits(words: torch.Tensor, n: int) -> torch.Tensor:
 def marshal(cap: Capture, fault: str | None = None) -> VerifyArgs:
     """Build the kernel arguments from the raw capture, keeping every intermediate in `.steps`."""
     if fault is not None and fault not in FAULTS:
-        raise ValueError(f"unknown fault {fault!r}; expected one of {', '.join(FAULTS)}")
+        raise BadInput(f"unknown fault {fault!r}; expected one of {', '.join(FAULTS)}")
     bs = cap.batch_size
     n_max = int(cap.num_draft.max())
     words = (n_max + 31) // 32

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kdtree.errors import BadInput
+
 
 @dataclass(frozen=True)
 class ModelPreset:
@@ -37,4 +39,4 @@ def get_preset(name: str) -> ModelPreset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(PRESETS)}") from None
+        raise BadInput(f"unknown preset {name!r}; expected one of {', '.join(PRESETS)}") from None

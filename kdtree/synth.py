@@ -21,6 +21,7 @@ import torch
 
 from kdtree import __version__
 from kdtree.capture import POOL_SLOTS, Capture, CaptureMeta, layer_key
+from kdtree.errors import BadInput
 from kdtree.presets import get_preset
 from kdtree.reference import oracle
 from kdtree.trees import TREE_KINDS, ancestor_mask, depths, make_tree
@@ -50,41 +51,41 @@ class SynthSpec:
     logit_cap: float = 0.0
 
     def resolved(self) -> "SynthSpec":
-        """Fill defaults and check the parameters; raises ValueError naming the bad one."""
+        """Fill defaults and check the parameters; raises BadInput naming the bad one."""
         s = dataclasses.replace(self, prefix_lens=list(self.prefix_lens), layers=list(self.layers))
         get_preset(s.preset)
         if s.tree not in TREE_KINDS:
-            raise ValueError(f"tree: unknown kind {s.tree!r}; expected one of {', '.join(TREE_KINDS)}")
+            raise BadInput(f"tree: unknown kind {s.tree!r}; expected one of {', '.join(TREE_KINDS)}")
         if s.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {s.batch_size}")
+            raise BadInput(f"batch_size must be >= 1, got {s.batch_size}")
         if len(s.prefix_lens) == 1:
             s.prefix_lens = s.prefix_lens * s.batch_size
         if len(s.prefix_lens) != s.batch_size:
-            raise ValueError(
+            raise BadInput(
                 f"prefix_lens: {len(s.prefix_lens)} values for batch_size {s.batch_size} (give one, or one per request)"
             )
         if any(p < 0 or p > 1 << 20 for p in s.prefix_lens):
-            raise ValueError(f"prefix_lens must lie in [0, 2^20], got {s.prefix_lens}")
+            raise BadInput(f"prefix_lens must lie in [0, 2^20], got {s.prefix_lens}")
         if s.tree == "ddtree":
             if s.budget is None:
                 s.budget = (s.num_draft_tokens - 1) if s.num_draft_tokens else 64
             if not 1 <= s.budget <= 4096:
-                raise ValueError(f"budget must lie in [1, 4096], got {s.budget}")
+                raise BadInput(f"budget must lie in [1, 4096], got {s.budget}")
             if s.num_draft_tokens not in (None, s.budget + 1):
-                raise ValueError(f"ddtree: num_draft_tokens must be budget + 1 = {s.budget + 1}")
+                raise BadInput(f"ddtree: num_draft_tokens must be budget + 1 = {s.budget + 1}")
             s.num_draft_tokens = s.budget + 1
         elif s.budget is not None:
-            raise ValueError("budget applies to --tree ddtree only; use num_draft_tokens")
+            raise BadInput("budget applies to --tree ddtree only; use num_draft_tokens")
         if s.num_draft_tokens is None:
             s.num_draft_tokens = {"eagle": 8, "chain": 16}.get(s.tree, 16)
         if not 1 <= s.num_draft_tokens <= 4097:
-            raise ValueError(f"num_draft_tokens must lie in [1, 4097], got {s.num_draft_tokens}")
+            raise BadInput(f"num_draft_tokens must lie in [1, 4097], got {s.num_draft_tokens}")
         s.topk = s.topk or DEFAULT_TOPK.get(s.tree, 0) or None
         s.max_depth = s.max_depth or DEFAULT_DEPTH.get(s.tree) or None
         if not s.layers or len(set(s.layers)) != len(s.layers) or min(s.layers) < 0:
-            raise ValueError(f"layers must be distinct layer numbers >= 0, got {s.layers}")
+            raise BadInput(f"layers must be distinct layer numbers >= 0, got {s.layers}")
         if s.logit_cap < 0:
-            raise ValueError("logit_cap must be >= 0")
+            raise BadInput("logit_cap must be >= 0")
         return s
 
 
@@ -180,7 +181,7 @@ def synthesize(spec: SynthSpec, *, device: str = "cpu", reference: bool | str = 
     """
     reference = {True: "oracle", False: "none"}.get(reference, reference)
     if reference not in REFERENCES:
-        raise ValueError(f"reference must be one of {', '.join(REFERENCES)}, got {reference!r}")
+        raise BadInput(f"reference must be one of {', '.join(REFERENCES)}, got {reference!r}")
     s = spec.resolved()
     preset = get_preset(s.preset)
     rng = np.random.default_rng(s.seed)
@@ -191,7 +192,7 @@ def synthesize(spec: SynthSpec, *, device: str = "cpu", reference: bool | str = 
     need = sum(P) + T
     pool_size = s.pool_size or need + max(1024, need // 2)
     if pool_size < need:
-        raise ValueError(f"pool_size {pool_size} is smaller than the {need} slots this batch references")
+        raise BadInput(f"pool_size {pool_size} is smaller than the {need} slots this batch references")
     free = churned_free_list(pool_size, rng)
     prefix_slots = np.split(free[: sum(P)], np.cumsum(P)[:-1])
     out_cache_loc = free[sum(P) : need]
@@ -244,7 +245,7 @@ def synthesize(spec: SynthSpec, *, device: str = "cpu", reference: bool | str = 
 
         fn, where = sglang.extend_attention()
         if fn is None or not torch.cuda.is_available():
-            raise ValueError(f"--reference sglang needs a GPU and an importable SGLang: {where}")
+            raise BadInput(f"--reference sglang needs a GPU and an importable SGLang: {where}")
         meta.reference = f"sglang:triton extend_attention_fwd from {where}"
         for lid in s.layers:
             t[layer_key(lid, "o")] = sglang.run(draft, lid).cpu()

@@ -10,6 +10,8 @@ import heapq
 
 import numpy as np
 
+from kdtree.errors import BadInput
+
 TREE_KINDS = ("ddtree", "eagle", "chain", "star", "random")
 
 
@@ -122,7 +124,7 @@ def ddtree(budget: int, logprobs: np.ndarray) -> np.ndarray:
         heapq.heappush(frontier, (-logprobs[0, 0], tie, 0, 1, 0, 0.0))
     while len(parents) < budget + 1:
         if not frontier:
-            raise ValueError(f"budget {budget} exceeds what {max_depth} positions x top-{topk} can hold")
+            raise BadInput(f"budget {budget} exceeds what {max_depth} positions x top-{topk} can hold")
         neg, _, parent, depth, rank, parent_score = heapq.heappop(frontier)
         score = -neg
         node = len(parents)
@@ -156,7 +158,7 @@ def eagle(num_draft_tokens: int, topk: int, steps: int, rng: np.random.Generator
         new.sort(key=lambda t: -t[0])
         beams = new[:topk]
     if num_draft_tokens - 1 > len(cands):
-        raise ValueError(f"{num_draft_tokens} draft tokens exceed the {len(cands) + 1} that topk={topk}, steps={steps} give")
+        raise BadInput(f"{num_draft_tokens} draft tokens exceed the {len(cands) + 1} that topk={topk}, steps={steps} give")
     # Scores fall along every path, so the best set is ancestor-closed; order by (depth, -score).
     order = sorted(range(len(cands)), key=lambda c: (-cands[c][0], cands[c][1]))[: num_draft_tokens - 1]
     chosen = set(order)
@@ -184,4 +186,4 @@ def make_tree(kind: str, num_nodes: int, rng: np.random.Generator, *, topk: int 
         return star(num_nodes)
     if kind == "random":
         return random_tree(num_nodes, rng)
-    raise ValueError(f"unknown tree kind {kind!r}; expected one of {', '.join(TREE_KINDS)}")
+    raise BadInput(f"unknown tree kind {kind!r}; expected one of {', '.join(TREE_KINDS)}")

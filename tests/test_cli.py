@@ -9,8 +9,8 @@ from kdtree.capture import load
 from conftest import SHIPPED, sha
 
 
-def kdtree(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "kdtree", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+def kdtree(*args, cwd=None, env=None):
+    return subprocess.run([sys.executable, "-m", "kdtree", *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env)
 
 
 def test_diff_on_shipped_captures_passes_and_prints_grep_lines():
@@ -52,6 +52,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         ("synth", "-o", tmp_path / "x.safetensors", "--batch", "3", "--prefix", "1,2"),
         ("synth", "-o", tmp_path / "x.safetensors", "--tree", "bush"),
         ("synth", "-o", tmp_path / "x.safetensors", "--reference", "bogus"),
+        ("synth", "-o", tmp_path / "x.safetensors", "--preset", "nope"),
+        ("synth", "-o", tmp_path / "x.safetensors", "--tree", "eagle", "-n", "100", "--topk", "1", "--max-depth", "2"),
+        ("synth", "-o", tmp_path / "x.safetensors", "--prefix", "8", "--budget", "4", "--pool-size", "3"),
+        ("synth", "-o", tmp_path / "x.safetensors", "--prefix", "8,x"),
+        ("diff", SHIPPED[0], "--impl", "oracle", "--inject", "prefix-only-kv"),
+        ("diff", SHIPPED[0], "--device", "tpu"),
+        ("diff", SHIPPED[0], "--tol", "0"),
+        ("plan", "--case", "mixed", "--sms", "0"),
         ("bench", "--chain", "--sglang", "-o", tmp_path / "b"),
         ("bench", "--target", "sm_90a-B64", "-o", tmp_path / "b"),
     ):
@@ -225,3 +233,74 @@ def test_ab_builds_the_committed_kernel_beside_the_edited_one(tmp_path):
         compile_ab(["sm_120"], head, src)
     with pytest.raises(ValueError, match="not a commit"):
         committed_source("no-such-ref-anywhere")
+
+
+def test_a_capture_that_breaks_a_rule_is_bad_input_naming_file_and_tensor(tmp_path):
+    """A file that is safetensors but not a valid capture: exit 2, one line naming the file, the tensor and the rule."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(SHIPPED[0]), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != "seq_lens"}
+        metadata = f.metadata()
+    bad = tmp_path / "no-seq-lens.safetensors"
+    save_file(tensors, bad, metadata=metadata)
+    for command in ("info", "diff", "plan"):
+        r = kdtree(command, bad)
+        assert r.returncode == 2 and r.stdout == "", (command, r.stdout, r.stderr)
+        assert r.stderr.splitlines() == [f"kdtree: error: {bad}: seq_lens: missing tensor"], (command, r.stderr)
+
+
+# runs the CLI with one of kdtree's functions replaced by one that fails as a bug would
+BUG = """
+import sys
+import importlib
+module, name, exc = sys.argv[1:4]
+def bug(*args, **kwargs):
+    raise getattr(__builtins__, exc)("an error of kdtree's own code")
+setattr(importlib.import_module(module), name, bug)
+from kdtree.cli import main
+sys.argv = ["kdtree", *sys.argv[4:]]
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    "module, name, exc, args",
+    [
+        ("kdtree.info", "summarize", "KeyError", ["info", SHIPPED[0]]),
+        ("kdtree.plan_report", "plan_report", "IndexError", ["plan", SHIPPED[0]]),
+        ("kdtree.impls", "diff_capture", "ValueError", ["diff", SHIPPED[0]]),
+        ("kdtree.synth", "synthesize", "TypeError", ["synth", "-o", "{tmp}/x.safetensors"]),
+    ],
+)
+def test_a_bug_shows_its_traceback_and_asks_to_be_reported(tmp_path, module, name, exc, args):
+    """An exception that is not BadInput - KeyError, IndexError, even ValueError - is a bug: exit 3 (not 2, bad
+    input), its traceback, then the line asking to report it; nothing written."""
+    from kdtree.cli import BUG_EXIT, BUG_HINT
+
+    args = [str(a).replace("{tmp}", str(tmp_path)) for a in args]
+    r = subprocess.run([sys.executable, "-c", BUG, module, name, exc, *args], capture_output=True, text=True)
+    assert r.returncode == BUG_EXIT != 2, (r.returncode, r.stderr)
+    assert "Traceback (most recent call last)" in r.stderr and f"{exc}: " in r.stderr, r.stderr
+    assert "an error of kdtree's own code" in r.stderr and "kdtree: error:" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == BUG_HINT
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_command_maps_its_errors_the_same_way():
+    """Every command is registered through `command`, so bad input and bugs end every one of them alike."""
+    from kdtree.cli import app, exit_codes
+
+    wrapped = exit_codes(lambda: None).__code__
+    names = {c.name or c.callback.__name__ for c in app.registered_commands}
+    assert {"info", "synth", "diff", "compile", "plan", "bench", "server-check"} <= names
+    assert all(c.callback.__code__ is wrapped for c in app.registered_commands), names
+
+
+def test_a_bad_kernel_target_in_the_environment_is_bad_input(tmp_path):
+    import os
+
+    r = kdtree("bench", "-o", tmp_path / "b", env=os.environ | {"KDTREE_KERNEL_TARGET": "sm_99"})
+    assert r.returncode == 2 and "KDTREE_KERNEL_TARGET='sm_99'" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert not (tmp_path / "b").exists()

@@ -1,6 +1,7 @@
 """The SGLang backend's SGLang-free parts on CPU: marshaling from SGLang's metadata tensors in torch ops, the
-settings, the shadow line, bounded capture files, and the plugin's entry point. (The backend itself runs in
-SGLang's attention test kit on a GPU: tests/test_sglang_gpu.py.)"""
+settings, the shadow line, bounded capture files, the plugin's entry point, and the backend's step state and
+refusals on stand-ins for SGLang's modules. (The backend itself runs in SGLang's attention test kit on a GPU:
+tests/test_sglang_gpu.py.)"""
 
 from __future__ import annotations
 
@@ -327,3 +328,139 @@ def test_the_serving_body_is_a_candidate_of_the_target():
     assert config == blackwell[0] and "64-key blocks" in why
     with pytest.raises(ValueError, match="seesaw"):
         serving_config(hopper, "seesaw")
+
+
+# ----- the backend's step state, on stand-ins for the three SGLang modules it imports -----------------------------
+def test_every_refusal_reason_has_one_message_and_the_backend_spells_none_itself():
+    """`Refusal` holds each reason's message once (enum.unique); backend.py returns no message of its own."""
+    import ast
+    from pathlib import Path
+
+    import kdtree.sglang
+    from kdtree.sglang.step import Refusal
+
+    assert len({r.value for r in Refusal}) == len(Refusal)
+    source = (Path(kdtree.sglang.__file__).parent / "backend.py").read_text()
+    checks = [f for f in ast.walk(ast.parse(source)) if isinstance(f, ast.FunctionDef) and f.name.endswith("refusal")]
+    assert {f.name for f in checks} == {"step_refusal", "kdtree_refusal", "_batch_refusal"}
+    spelt = [  # words a refusal check returns that are not a Refusal's
+        n.value
+        for f in checks
+        for node in ast.walk(f)
+        if isinstance(node, ast.Return)
+        for n in ast.walk(node)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and " " in n.value
+    ]
+    assert spelt == [], spelt
+
+
+class _Triton:
+    """SGLang's TritonAttnBackend as far as the kdtree backend's step hooks use it; counts metadata builds."""
+
+    def __init__(self, model_runner, *args, **kwargs):
+        self.metadata_builds = 0
+        self.use_mla, self.dcp_size, self.enable_deterministic = True, 1, False
+        self.req_to_token = torch.zeros(8, 64, dtype=torch.int32)
+        self.max_context_len, self.num_draft_tokens, self.num_head = 64, 4, 8
+        self.forward_metadata = None
+
+    def init_forward_metadata(self, forward_batch):
+        self.metadata_builds += 1
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        self.metadata_builds += 1
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        pass
+
+    def init_cuda_graph_state(self, max_bs, max_num_tokens, *args, **kwargs):
+        pass
+
+    def on_after_cuda_graph_warmup(self):
+        pass
+
+
+@pytest.fixture
+def standin_backend(monkeypatch):
+    """The kdtree backend over `_Triton`, SGLang's modules stood in for, CUDA-graph capture a flag."""
+    import types
+
+    mods = {
+        "sglang.srt.layers.attention.triton_backend": {"TritonAttnBackend": _Triton},
+        "sglang.srt.layers.radix_attention": {"AttentionType": types.SimpleNamespace(DECODER="decoder")},
+        "sglang.srt.mem_cache.memory_pool": {"KVWriteLoc": object},
+    }
+    for name, attrs in mods.items():
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
+    monkeypatch.delitem(sys.modules, "kdtree.sglang.backend", raising=False)
+    monkeypatch.delenv("KDTREE_MODE", raising=False)
+    capturing = {"on": False}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["on"])
+    from kdtree.sglang.backend import KdtreeAttnBackend
+
+    runner = types.SimpleNamespace(tp_rank=0, tp_size=1, model_config=types.SimpleNamespace(model_path="tiny"))
+    backend = KdtreeAttnBackend(runner)
+    backend.runner.prepare = lambda batch, heads: None  # the marshal kernel needs a GPU
+    yield backend, capturing
+    monkeypatch.delitem(sys.modules, "kdtree.sglang.backend", raising=False)
+
+
+def forward_batch(verify: bool = True, bs: int = 2, n: int = 4, tokens: int | None = None):
+    import types
+
+    return types.SimpleNamespace(
+        forward_mode=types.SimpleNamespace(is_target_verify=lambda: verify),
+        req_pool_indices=torch.arange(bs),
+        seq_lens=torch.full((bs,), 10),
+        seq_lens_sum=10 * bs,
+        out_cache_loc=torch.arange(bs * n if tokens is None else tokens),
+        spec_info=types.SimpleNamespace(num_tokens_per_req=n, custom_mask=None),
+    )
+
+
+def test_the_backend_keeps_its_step_in_one_state(standin_backend):
+    """A verify step kdtree owns builds no Triton metadata and counts a verify step; a refused step (not verify, a
+    token count that is not batch x draft tokens) is Triton's with its metadata; a capture in which only kdtree
+    ran lets its batch size replay without Triton's hook, and one in which Triton ran does not."""
+    import dataclasses
+
+    from kdtree.sglang.step import Refusal
+    from kdtree.sglang.verify import TableBatch
+
+    backend, capturing = standin_backend
+    state = backend.step_state
+    fb = forward_batch()
+    assert backend.step_refusal(fb) is None and state.table[0] is backend.req_to_token
+    backend.init_forward_metadata(fb)
+    assert state.owned and not backend._triton_ready and backend.metadata_builds == 0 and backend.verify_step == 0
+    batch = backend.verify_batch(fb)
+    assert isinstance(batch, TableBatch) and batch.step == 0 and backend.verify_batch(fb) is batch
+    backend.ensure_triton_metadata(fb)
+    assert backend._triton_ready and backend.metadata_builds == 1
+
+    assert backend.step_refusal(forward_batch(verify=False)) == Refusal.NOT_VERIFY
+    assert backend.step_refusal(forward_batch(tokens=7)) == Refusal.TOKEN_COUNT
+    backend.init_forward_metadata(forward_batch(verify=False))
+    assert not state.owned and backend._triton_ready and state.batch is None and backend.verify_step == 0
+    backend.settings = dataclasses.replace(backend.settings, mode="shadow")
+    assert backend.step_refusal(fb) == "KDTREE_MODE=shadow" == Refusal.MODE.format(mode="shadow")
+    backend.settings = dataclasses.replace(backend.settings, mode="serve")
+
+    backend.init_cuda_graph_state(2, 8)
+    assert state.graph_kv_capacity == 2 * 64 + 8
+    for kdtree_only, bs in ((True, 2), (False, 3)):
+        fb = forward_batch(bs=bs)
+        backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        assert state.graph_capture == (bs, [False, False]) and state.owned
+        capturing["on"] = True
+        backend._note_capture(kdtree=True)
+        if not kdtree_only:
+            backend._note_capture(kdtree=False)
+        capturing["on"] = False
+        backend.init_forward_metadata_out_graph(fb)  # a replay: closes the capture first
+        assert state.graph_capture is None and (bs in backend._kdtree_graphs) == kdtree_only
+        assert state.owned == kdtree_only and backend._triton_ready != kdtree_only
+    assert backend.verify_step == 4  # two captures, two replays after the first step

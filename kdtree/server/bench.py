@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from kdtree.errors import BadInput
 from kdtree.server import client
 from kdtree.server.check import CheckSettings, run_mode, write_json
 from kdtree.server.checkpoint import TinySpec, build_checkpoint
@@ -53,9 +54,9 @@ class ServerBenchSettings:
         for name, option in OPTIONS.items():
             values = getattr(self, name)
             if not values or min(values) < 1:
-                raise ValueError(f"{option}: at least one value, each at least 1 (got {list(values)})")
+                raise BadInput(f"{option}: at least one value, each at least 1 (got {list(values)})")
         if min(self.draft_tokens) < 2 or self.new_tokens < 1 or self.short_tokens < 1 or self.repeats < 1:
-            raise ValueError("draft tokens must be at least 2; new tokens, short tokens and repeats at least 1")
+            raise BadInput("draft tokens must be at least 2; new tokens, short tokens and repeats at least 1")
 
     @property
     def context_length(self) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from kdtree.diff import DEFAULT_TOLERANCE  # captures diff as `kdtree diff` does
+from kdtree.errors import BadInput
 from kdtree.server import client, logscan
 from kdtree.server.checkpoint import TinySpec, build_checkpoint
 from kdtree.server.process import ServerError, ServerProcess, free_port
@@ -61,29 +62,29 @@ class CheckSettings:
     extra_args: tuple[str, ...] = ()  # more server flags, as given
 
     def check(self) -> None:
-        """Raise ValueError naming the setting that cannot run."""
+        """Raise BadInput naming the setting that cannot run."""
         for m in self.modes:
             if m not in MODES:
-                raise ValueError(f"--mode: unknown mode {m!r}; expected one of {', '.join(MODES)}")
+                raise BadInput(f"--mode: unknown mode {m!r}; expected one of {', '.join(MODES)}")
         if not self.modes:
-            raise ValueError("--mode: at least one mode")
+            raise BadInput("--mode: at least one mode")
         if len(set(self.modes)) != len(self.modes):
-            raise ValueError(f"--mode: each mode once (got {', '.join(self.modes)})")
+            raise BadInput(f"--mode: each mode once (got {', '.join(self.modes)})")
         if not (self.startup_timeout > 0 and self.request_timeout > 0):
-            raise ValueError(f"--startup-timeout must be > 0 seconds, got {self.startup_timeout}")
+            raise BadInput(f"--startup-timeout must be > 0 seconds, got {self.startup_timeout}")
         if self.entrypoint not in ENTRYPOINTS:
-            raise ValueError(f"--entrypoint: one of {', '.join(ENTRYPOINTS)}, got {self.entrypoint!r}")
+            raise BadInput(f"--entrypoint: one of {', '.join(ENTRYPOINTS)}, got {self.entrypoint!r}")
         for name in ("draft_tokens", "bfs_breadth", "page_size", "requests", "concurrency", "max_new_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+                raise BadInput(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.draft_tokens < 2:
-            raise ValueError(f"--draft-tokens must be at least 2 (a verify step drafts), got {self.draft_tokens}")
+            raise BadInput(f"--draft-tokens must be at least 2 (a verify step drafts), got {self.draft_tokens}")
         if self.bfs_breadth > 1 and self.page_size > 1:
-            raise ValueError("--page-size above 1 needs --bfs-breadth 1: SGLang refuses trees (topk > 1) on pages")
+            raise BadInput("--page-size above 1 needs --bfs-breadth 1: SGLang refuses trees (topk > 1) on pages")
         if not 0 < self.tolerance:
-            raise ValueError(f"--tolerance must be > 0, got {self.tolerance}")
+            raise BadInput(f"--tolerance must be > 0, got {self.tolerance}")
         if not 0 < self.mem_fraction_static < 1:
-            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+            raise BadInput(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
 
 
 def server_argv(model_dir: Path, port: int, s: CheckSettings, spec: TinySpec, mode: str) -> list[str]:

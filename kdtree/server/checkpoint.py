@@ -16,6 +16,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kdtree.errors import BadInput
+
 STAMP = "kdtree-checkpoint.json"  # the spec a directory was built from: a matching one is reused
 
 # MLA dims of Kimi K2.x and DeepSeek-V3 (absorbed: q/k 512 + 64 = 576, v 512)
@@ -42,7 +44,7 @@ CHAT_TEMPLATE = (
 )
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInput):
     """A directory that is not a tiny checkpoint of the asked spec stands where one would be built."""
 
 
@@ -62,16 +64,16 @@ class TinySpec:
     logit_scale: float = 100.0
 
     def check(self) -> None:
-        """Raise ValueError naming the field that cannot make a model SGLang serves."""
+        """Raise BadInput naming the field that cannot make a model SGLang serves."""
         for name in ("heads_per_rank", "tp", "layers", "hidden_size", "context_length"):
             if getattr(self, name) < 1:
-                raise ValueError(f"checkpoint: {name} must be at least 1, got {getattr(self, name)}")
+                raise BadInput(f"checkpoint: {name} must be at least 1, got {getattr(self, name)}")
         if self.hidden_size % 64:
-            raise ValueError(f"checkpoint: hidden_size must be a multiple of 64, got {self.hidden_size}")
+            raise BadInput(f"checkpoint: hidden_size must be a multiple of 64, got {self.hidden_size}")
         if not self.logit_scale > 0:
-            raise ValueError(f"checkpoint: logit_scale must be > 0, got {self.logit_scale}")
+            raise BadInput(f"checkpoint: logit_scale must be > 0, got {self.logit_scale}")
         if not 256 + len(SPECIAL_TOKENS) < self.vocab <= 65536:
-            raise ValueError(f"checkpoint: vocab must be in {256 + len(SPECIAL_TOKENS) + 1}..65536, got {self.vocab}")
+            raise BadInput(f"checkpoint: vocab must be in {256 + len(SPECIAL_TOKENS) + 1}..65536, got {self.vocab}")
 
     @property
     def num_heads(self) -> int:

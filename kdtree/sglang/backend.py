@@ -10,7 +10,8 @@ A TARGET_VERIFY step kdtree serves builds no Triton metadata: the step is marsha
 few launches eager and one mask copy before a graph replay. Triton's metadata is built when Triton is needed:
 eagerly on a step's first Triton call; always at a CUDA-graph capture, and before the replays of a graph in
 which some layer ran Triton's kernel. Any failure inside kdtree is logged once and that call falls back to
-Triton: kdtree never takes a server down.
+Triton: kdtree never takes a server down. What the backend carries between SGLang's hooks is one `StepState`,
+and each reason it leaves a step or a call to Triton one `Refusal` (`kdtree.sglang.step`).
 
 Imports SGLang (0.5.23): load it through the plugin (`kdtree.sglang.plugin`), not at kdtree's import time.
 """
@@ -29,9 +30,8 @@ from kdtree.sglang import log
 from kdtree.sglang.capture_hook import CaptureWriter, capture_tensors
 from kdtree.sglang.settings import Settings
 from kdtree.sglang.shadow import shadow_diff
+from kdtree.sglang.step import HEAD_DIM, V_HEAD_DIM, Refusal, StepState
 from kdtree.sglang.verify import TableBatch, VerifyBatch, VerifyRunner
-
-HEAD_DIM, V_HEAD_DIM = 576, 512  # absorbed MLA: kv_lora_rank 512 + rope 64; V = the latent part
 
 
 def _sglang_version() -> str | None:
@@ -57,16 +57,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
             getattr(cfg, "model_path", None) or getattr(getattr(cfg, "hf_config", None), "architectures", ["unknown"])[0]
         )
         self.capture = CaptureWriter(self.settings.capture_dir, self.settings.capture_max_files, self.settings.capture_max_bytes)
-        self.verify_step = -1
-        self._batch: VerifyBatch | None = None
-        self._batch_captured = False  # whether self._batch was built during a CUDA-graph capture
-        self._graph_kv_capacity: int | None = None
-        self._owned = False  # this step is kdtree's (no Triton metadata unless a layer needs it)
-        self._triton_ready = False  # Triton's forward_metadata is this step's
-        # captured batch size -> whether every graph of it ran kdtree alone (then replays skip Triton's hook)
-        self._graph_sizes: dict[int, bool] = {}
-        self._graph_capture: tuple[int, list[bool]] | None = None  # (batch size, [kdtree served, Triton served]) in capture
-        self._step_table = None  # (req_to_token, row stride) of the step kdtree owns (`step_refusal`)
+        self.step_state = StepState()  # the step in flight and the CUDA graphs captured (`StepState`)
         log.once(
             "mode",
             f"attention backend kdtree, mode {self.settings.mode} (KDTREE_MODE), body {self.settings.body} (KDTREE_BODY), "
@@ -74,52 +65,66 @@ class KdtreeAttnBackend(TritonAttnBackend):
             logging.INFO,
         )
 
+    @property
+    def verify_step(self) -> int:
+        """The number of the TARGET_VERIFY step in flight (`StepState.verify_step`)."""
+        return self.step_state.verify_step
+
+    @property
+    def _triton_ready(self) -> bool:
+        return self.step_state.triton_ready
+
+    @property
+    def _kdtree_graphs(self) -> set[int]:
+        """The captured batch sizes whose replays need only kdtree's hook."""
+        return self.step_state.kdtree_graphs
+
     # ----- per step ---------------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
         super().init_cuda_graph_state(max_bs, max_num_tokens, *args, **kwargs)
         # the combined slot list of any replayed step: at most max_bs prefixes of the context length, plus drafts
-        self._graph_kv_capacity = max_bs * self.max_context_len + max_num_tokens
+        self.step_state.graph_kv_capacity = max_bs * self.max_context_len + max_num_tokens
 
     def init_forward_metadata(self, forward_batch):
         self._close_capture()
         self._new_step(forward_batch, owned=self._owns(forward_batch))
-        if self._owned:
+        if self.step_state.owned:
             self._prepare_step(forward_batch)  # reads SGLang's page table where Triton's metadata would
-        if not self._owned:
+        if not self.step_state.owned:
             super().init_forward_metadata(forward_batch)
-            self._triton_ready = True
+            self.step_state.triton_ready = True
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         self._close_capture()
         bs = len(forward_batch.req_pool_indices)
         is_verify = forward_batch.forward_mode.is_target_verify()
         if not in_capture:  # a replay: its graph is fixed, whatever this step would choose
-            if is_verify and self._graph_sizes.get(bs, False):
+            if is_verify and self.step_state.graph_sizes.get(bs, False):
                 self._refill_graph_mask(forward_batch)  # all the host work a replayed kdtree step has
                 log.once("replay", f"serving: replaying CUDA graphs kdtree captured (batch size {bs} first)", logging.INFO)
                 self._new_step(forward_batch, owned=True)
                 return
             super().init_forward_metadata_out_graph(forward_batch, in_capture)
             self._new_step(forward_batch, owned=False)
-            self._triton_ready = True
+            self.step_state.triton_ready = True
             return
         owned = self._owns(forward_batch)
         spec = forward_batch.spec_info
         if owned and spec is not None and spec.custom_mask is not None and self._graph_mask() is None:
             owned = False  # no mask buffer for the replays to refill (Triton's hook would fail the same way)
-            log.once("graph:mask", "Triton's metadata for graph-captured verify steps: no verify mask buffer", logging.INFO)
+            log.once("graph:mask", f"Triton's metadata for graph-captured verify steps: {Refusal.NO_GRAPH_MASK}", logging.INFO)
         if is_verify and not owned:
-            self._graph_sizes[bs] = False
-        self._graph_capture = (bs, [False, False]) if owned else None
+            self.step_state.graph_sizes[bs] = False
+        self.step_state.graph_capture = (bs, [False, False]) if owned else None
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
         self._new_step(forward_batch, owned=owned)
-        self._triton_ready = True  # a capture records Triton's buffers for a layer that falls back
+        self.step_state.triton_ready = True  # a capture records Triton's buffers for a layer that falls back
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Inside the capture (and its warm-ups), before SGLang's shared-read event: the marshal kernel reads
         `req_to_token` here, as Triton's hook does before a replay, not at the first layer."""
         super().init_forward_metadata_in_graph(forward_batch)
-        if self._owned and forward_batch.forward_mode.is_target_verify():
+        if self.step_state.owned and forward_batch.forward_mode.is_target_verify():
             self._prepare_step(forward_batch)
 
     def _prepare_step(self, forward_batch) -> None:
@@ -130,7 +135,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
             log.once(
                 f"prepare:{type(e).__name__}", f"kdtree could not prepare a verify step ({type(e).__name__}: {e}); Triton serves"
             )
-            self._owned = False
+            self.step_state.owned = False
             self._forget_step()
             self._note_capture(kdtree=False)
 
@@ -139,21 +144,13 @@ class KdtreeAttnBackend(TritonAttnBackend):
         self._forget_step()  # the capture that follows marshals and plans inside the graph
 
     def _close_capture(self) -> None:
-        """After a capture: its batch size replays without Triton's metadata if only kdtree ran in it."""
-        if self._graph_capture is not None:
-            bs, (kdtree_ran, triton_ran) = self._graph_capture
-            # SGLang may hold several graphs of a size (variants): one that ran Triton rules the size out
-            self._graph_sizes[bs] = self._graph_sizes.get(bs, True) and kdtree_ran and not triton_ran
-            self._graph_capture = None
-
-    @property
-    def _kdtree_graphs(self) -> set[int]:
-        """The captured batch sizes whose replays need only kdtree's hook."""
-        return {bs for bs, alone in self._graph_sizes.items() if alone}
+        self.step_state.close_capture()
 
     def _note_capture(self, kdtree: bool) -> None:
-        if self._graph_capture is not None and torch.cuda.is_current_stream_capturing():
-            self._graph_capture[1][0 if kdtree else 1] = True
+        """Record who served a layer of the graph being captured."""
+        capture = self.step_state.graph_capture
+        if capture is not None and torch.cuda.is_current_stream_capturing():
+            capture[1][0 if kdtree else 1] = True
 
     def _refill_graph_mask(self, forward_batch) -> None:
         spec = forward_batch.spec_info
@@ -168,21 +165,19 @@ class KdtreeAttnBackend(TritonAttnBackend):
         return None if mask is None else mask.buffer
 
     def _forget_step(self) -> None:
-        self._batch = None
+        self.step_state.forget_batch()
         self.runner.new_step()
 
     def _new_step(self, forward_batch, *, owned: bool) -> None:
-        self._forget_step()
-        self._owned, self._triton_ready = owned, False
-        if forward_batch.forward_mode.is_target_verify():
-            self.verify_step += 1
+        self.runner.new_step()
+        self.step_state.new_step(owned=owned, verify=forward_batch.forward_mode.is_target_verify())
 
     def ensure_triton_metadata(self, forward_batch) -> None:
         """Triton's forward_metadata for this step, built now if this step (kdtree's) had none: before a Triton
         call, and for tests and benchmarks that run Triton's kernel on the same step."""
-        if not self._triton_ready:
+        if not self.step_state.triton_ready:
             super().init_forward_metadata(forward_batch)
-            self._triton_ready = True
+            self.step_state.triton_ready = True
 
     def num_tokens_per_request(self, forward_batch) -> int:
         """N: the draft tokens a request verifies this step (SGLang's `num_tokens_per_req`)."""
@@ -210,18 +205,19 @@ class KdtreeAttnBackend(TritonAttnBackend):
         SGLang runs a captured batch's forward eagerly first (warm-ups) without a new metadata call, and the
         graph must record the marshal kernel and the plan, sized for any replay, not reuse the warm-up's."""
         capturing = torch.cuda.is_current_stream_capturing()
-        if self._batch is None or self._batch_captured != capturing:
-            self._batch_captured = capturing
-            self._batch = (
-                self._table_batch(forward_batch, capturing) if self._owned else self._csr_batch(forward_batch, capturing)
+        state = self.step_state
+        if state.batch is None or state.batch_captured != capturing:
+            state.batch_captured = capturing
+            state.batch = (
+                self._table_batch(forward_batch, capturing) if state.owned else self._csr_batch(forward_batch, capturing)
             )
-        return self._batch
+        return state.batch
 
     def _capacity(self, forward_batch, capturing: bool, tokens: int) -> int | None:
         """The combined slot list's length bound: the graph's inside a capture, else the step's (None where
         SGLang has no host sum: the caller bounds it by the context length, as Triton does)."""
         if capturing:
-            return self._graph_kv_capacity
+            return self.step_state.graph_kv_capacity
         if forward_batch.seq_lens_sum is None:
             return None
         return int(forward_batch.seq_lens_sum) + tokens
@@ -229,14 +225,14 @@ class KdtreeAttnBackend(TritonAttnBackend):
     def _table_batch(self, forward_batch, capturing: bool) -> TableBatch:
         bs = len(forward_batch.req_pool_indices)
         n = self.num_tokens_per_request(forward_batch)
-        table, _ = self._step_table or self.page_table(forward_batch)  # step_refusal's, for this step
+        table, _ = self.step_state.table or self.page_table(forward_batch)  # step_refusal's, for this step
         spec = forward_batch.spec_info
         mask = None if spec is None or spec.custom_mask is None else spec.custom_mask
         if capturing and mask is not None:
             mask = self._graph_mask()  # the buffer the replays refill (`_refill_graph_mask`)
         capacity = self._capacity(forward_batch, capturing, bs * n) or bs * (self.max_context_len + n)
         return TableBatch(
-            step=self.verify_step,
+            step=self.step_state.verify_step,
             req_to_token=table,
             req_pool_indices=forward_batch.req_pool_indices,
             seq_lens=forward_batch.seq_lens,
@@ -253,7 +249,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
         bs = len(forward_batch.req_pool_indices)
         n = int(md.max_extend_len)
         return VerifyBatch(
-            step=self.verify_step,
+            step=self.step_state.verify_step,
             qo_indptr=md.qo_indptr,
             kv_indptr=md.kv_indptr,
             kv_indices=md.kv_indices,
@@ -269,22 +265,22 @@ class KdtreeAttnBackend(TritonAttnBackend):
     def step_refusal(self, forward_batch) -> str | None:
         """Why this step is not kdtree's to serve (None: it is; Triton's metadata then waits until needed)."""
         if self.settings.mode != "serve":
-            return f"KDTREE_MODE={self.settings.mode}"
+            return Refusal.MODE.format(mode=self.settings.mode)
         reason = self._batch_refusal(forward_batch)
         if reason is not None:
             return reason
         if getattr(self, "use_sliding_window_kv_pool", False):
-            return "a sliding-window KV pool"
+            return Refusal.SLIDING_WINDOW_POOL
         if getattr(self, "dllm_attention", None) is not None:
-            return "diffusion LLM attention"
+            return Refusal.DIFFUSION
         bs = len(forward_batch.req_pool_indices)
         if forward_batch.out_cache_loc is None or forward_batch.out_cache_loc.numel() != bs * self.num_tokens_per_request(
             forward_batch
         ):
-            return "a verify batch whose token count is not batch x draft tokens"
-        self._step_table = self.page_table(forward_batch)
-        if self._step_table is None:
-            return "a translated KV read stream (SGLang's kv_index_translator maps the slots)"
+            return Refusal.TOKEN_COUNT
+        self.step_state.table = self.page_table(forward_batch)
+        if self.step_state.table is None:
+            return Refusal.TRANSLATED_KV
         return None
 
     def _owns(self, forward_batch) -> bool:
@@ -292,7 +288,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
         try:
             reason = self.step_refusal(forward_batch)
         except Exception as e:  # noqa: BLE001 - the check never breaks a step
-            reason = f"the step check failed ({type(e).__name__}: {e})"
+            reason = Refusal.STEP_CHECK_FAILED.format(error=f"{type(e).__name__}: {e}")
         if reason is not None and self.settings.mode == "serve" and forward_batch.forward_mode.is_target_verify():
             log.once(f"step:{reason}", f"Triton's metadata for verify steps: {reason}", logging.INFO)
         return reason is None
@@ -300,46 +296,47 @@ class KdtreeAttnBackend(TritonAttnBackend):
     def _batch_refusal(self, forward_batch) -> str | None:
         """What rules a batch out whatever its layers: the mode, the model, the server's settings."""
         if not forward_batch.forward_mode.is_target_verify():
-            return "not TARGET_VERIFY (prefill, decode and draft modes are Triton's)"
+            return Refusal.NOT_VERIFY
         if not self.use_mla:
-            return "not an MLA model"
+            return Refusal.NOT_MLA
         if self.dcp_size > 1:
-            return "decode context parallelism"
+            return Refusal.DECODE_CONTEXT_PARALLEL
         if self.enable_deterministic:
-            return "deterministic inference (Triton's unified kernel keeps its bits)"
+            return Refusal.DETERMINISTIC
         if getattr(forward_batch, "mha_one_shot", False):
-            return "MHA one-shot prefill"
+            return Refusal.MHA_ONE_SHOT
         return None
 
     def kdtree_refusal(self, q, layer, forward_batch, extra: dict) -> str | None:
         """Why this call is Triton's, or None when kdtree takes it."""
         if self.settings.mode == "triton":
-            return "KDTREE_MODE=triton"
+            return Refusal.MODE.format(mode="triton")
         reason = self._batch_refusal(forward_batch)
         if reason is not None:
             return reason
         if layer.qk_head_dim != HEAD_DIM or layer.v_head_dim != V_HEAD_DIM:
-            return f"head dims {layer.qk_head_dim}/{layer.v_head_dim}, not absorbed MLA {HEAD_DIM}/{V_HEAD_DIM}"
+            return Refusal.HEAD_DIMS.format(qk=layer.qk_head_dim, v=layer.v_head_dim)
         if q.dtype != torch.bfloat16 or self.token_to_kv_pool.get_key_buffer(layer.layer_id).dtype != torch.bfloat16:
-            return "q or the KV cache is not bf16 (fp8 KV cache)"
+            return Refusal.NOT_BF16
         if layer.k_scale is not None or layer.v_scale is not None:
-            return "a scaled KV cache (k_scale / v_scale)"
+            return Refusal.SCALED_KV
         if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
-            return "a sliding-window layer"
+            return Refusal.SLIDING_WINDOW_LAYER
         if any(extra.get(name) is not None for name in ("sinks", "score_mod", "aux_tensors")):
-            return "sinks, score_mod or aux_tensors"
+            return Refusal.SCORE_MODS
         if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
-            return "not causal decoder attention"
+            return Refusal.NOT_CAUSAL_DECODER
         if getattr(layer, "xai_temperature_len", -1) > 0:
-            return "xai temperature scaling"
+            return Refusal.XAI_TEMPERATURE
         if layer.logit_cap and layer.logit_capping_method != "tanh":
-            return f"logit capping method {layer.logit_capping_method!r}"
+            return Refusal.LOGIT_CAP_METHOD.format(method=layer.logit_capping_method)
         if self.settings.mode != "serve" and torch.cuda.is_current_stream_capturing():
-            return f"CUDA-graph capture in {self.settings.mode} mode (it reads results back; run it with --cuda-graph-backend-decode disabled)"
-        if forward_batch.out_cache_loc.numel() != q.shape[0]:
-            return "a verify batch whose token count is not batch x draft tokens"
-        if not self._owned and self.forward_metadata.qo_indptr is None:
-            return "a verify batch whose token count is not batch x draft tokens"
+            return Refusal.GRAPH_READBACK.format(mode=self.settings.mode)
+        # the token count: the step's out_cache_loc, and (a step kdtree does not own) Triton's metadata for it
+        if forward_batch.out_cache_loc.numel() != q.shape[0] or (
+            not self.step_state.owned and self.forward_metadata.qo_indptr is None
+        ):
+            return Refusal.TOKEN_COUNT
         return None
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -364,7 +361,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
                 log.once(f"serve:{type(e).__name__}", f"kdtree failed ({type(e).__name__}: {e}); Triton serves")
                 return self._triton(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        if self.settings.watches(self.verify_step, layer.layer_id, self.tp_rank):
+        if self.settings.watches(self.step_state.verify_step, layer.layer_id, self.tp_rank):
             try:
                 (self._shadow if mode == "shadow" else self._capture)(q, o, layer, forward_batch)
             except Exception as e:  # noqa: BLE001 - shadow and capture never break serving
@@ -396,7 +393,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
 
     def _serve(self, q, k, v, layer, forward_batch, save_kv_cache):
         if k is not None and save_kv_cache:  # SGLang's order: the drafts' keys go into the pool first
-            swa = None if self._owned else self.forward_metadata.swa_out_cache_loc  # an owned step has no SWA pool
+            swa = None if self.step_state.owned else self.forward_metadata.swa_out_cache_loc  # an owned step has no SWA pool
             loc = KVWriteLoc.for_batch(forward_batch, swa_loc=swa)
             self._set_kv_buffer(forward_batch, layer, loc, k, v)
         out = getattr(forward_batch, "_attn_output", None)

@@ -1,0 +1,10 @@
+"""The one exception that means "bad input", for everything a user can fix: an option, a path, a capture file, a
+setting, a machine without what a command needs. The CLI prints it on one line and exits 2; any other exception
+out of kdtree is a bug, shown with its traceback (`kdtree.cli`)."""
+
+from __future__ import annotations
+
+
+class BadInput(ValueError):
+    """Input that cannot be used, in one line naming what and where. A ValueError, so code that catches
+    ValueError from a parameter check still does."""
