@@ -581,7 +581,7 @@ def server_check(
     raise typer.Exit(0 if report["passed"] else 1)
 
 
-@app.command("selfcheck")
+@command("selfcheck")
 def selfcheck_cmd(
     impl: Optional[str] = typer.Option(None, help="cuda (the kernel; default on a GPU) or model (its torch model)"),
     force: bool = typer.Option(False, "--force", help="check again even if this machine's verdict is cached"),
@@ -597,11 +597,11 @@ def selfcheck_cmd(
 
     impl = impl or default_impl()
     if impl not in ("cuda", "model"):
-        _fail(f"--impl: the self-check runs the kernel (cuda) or its torch model (model), not {impl!r}")
+        raise BadInput(f"--impl: the self-check runs the kernel (cuda) or its torch model (model), not {impl!r}")
     if why := unavailable(impl):
-        _fail(why)
+        raise BadInput(why)
     if inject is not None and inject not in FAULTS:
-        _fail(f"--inject: unknown fault {inject!r}; expected one of {', '.join(FAULTS)}")
+        raise BadInput(f"--inject: unknown fault {inject!r}; expected one of {', '.join(FAULTS)}")
     console = Console(stderr=True)
     with console.status("selfcheck") as status:
         verdict, cached = selfcheck.ensure(
