@@ -33,13 +33,15 @@ class SelfCheckError(Exception):
 
 @dataclass(frozen=True)
 class Key:
-    """What a verdict holds for: the GPU by name and compute capability, its driver, and the kernel's source."""
+    """What a verdict holds for: the GPU by name and compute capability, its driver, the kernel's source, and the
+    target whose configurations run (the GPU's own, or $KDTREE_KERNEL_TARGET's)."""
 
     gpu: str
     capability: str
     driver: str
     source_hash: str
     impl: str = "cuda"
+    target: str = ""
 
     @property
     def digest(self) -> str:
@@ -110,12 +112,15 @@ def current_key(impl: str = "cuda") -> Key:
     import torch
 
     from kdtree.kernel import source_hash
+    from kdtree.kernel.config import target_arch
 
     if impl == "cuda":
         dev = torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(dev)
-        return Key(torch.cuda.get_device_name(dev), f"sm_{major}{minor}", _driver_version(), source_hash(), impl)
-    return Key(platform.processor() or platform.machine(), "cpu", f"torch {torch.__version__}", source_hash(), impl)
+        gpu, capability, driver = torch.cuda.get_device_name(dev), f"sm_{major}{minor}", _driver_version()
+        return Key(gpu, capability, driver, source_hash(), impl, target_arch())
+    host = platform.processor() or platform.machine()
+    return Key(host, "cpu", f"torch {torch.__version__}", source_hash(), impl, os.environ.get("KDTREE_KERNEL_TARGET", ""))
 
 
 def _driver_version() -> str:
@@ -228,7 +233,8 @@ def ensure(
 def format_verdict(v: Verdict, cached_at: Path | None = None) -> str:
     k = v.key
     lines = [
-        f"self-check of {k.impl} on {k.gpu} ({k.capability}, {k.driver}), kernel source {k.source_hash}",
+        f"self-check of {k.impl} on {k.gpu} ({k.capability}, {k.driver}), kernel source {k.source_hash}"
+        + (f", target {k.target}" if k.target and k.target != k.capability else ""),
         f"{'batch':34s} {'layers':>6s} {'worst rel':>10s}  verdict",
     ]
     lines += [f"{r.name:34s} {r.layers:6d} {r.worst_rel:10.2e}  {'PASS' if r.passed else 'FAIL'}" for r in v.rows]

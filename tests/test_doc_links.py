@@ -9,7 +9,10 @@ from conftest import ROOT
 
 PAGES = sorted(
     {ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md")}
-    | {ROOT / p for p in ("experiments/README.md", "tools/README.md", "data/captured_batches/README.md", "tests/fixtures/README.md")}
+    | {
+        ROOT / p
+        for p in ("experiments/README.md", "tools/README.md", "data/captured_batches/README.md", "tests/fixtures/README.md")
+    }
 )
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import sys
+import types
 
 import pytest
 import torch
@@ -382,8 +383,11 @@ class _Triton:
 
 @pytest.fixture
 def standin_backend(monkeypatch):
-    """The kdtree backend over `_Triton`, SGLang's modules stood in for, CUDA-graph capture a flag."""
+    """The kdtree backend over `_Triton`, SGLang's modules stood in for, CUDA-graph capture a flag, its self-check
+    (which needs a GPU) passed."""
     import types
+
+    from kdtree import selfcheck
 
     mods = {
         "sglang.srt.layers.attention.triton_backend": {"TritonAttnBackend": _Triton},
@@ -397,6 +401,7 @@ def standin_backend(monkeypatch):
         monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
     monkeypatch.delitem(sys.modules, "kdtree.sglang.backend", raising=False)
     monkeypatch.delenv("KDTREE_MODE", raising=False)
+    monkeypatch.setattr(selfcheck, "ensure", lambda impl: (_verdict(True), True))
     capturing = {"on": False}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["on"])
     from kdtree.sglang.backend import KdtreeAttnBackend
@@ -419,6 +424,44 @@ def forward_batch(verify: bool = True, bs: int = 2, n: int = 4, tokens: int | No
         out_cache_loc=torch.arange(bs * n if tokens is None else tokens),
         spec_info=types.SimpleNamespace(num_tokens_per_req=n, custom_mask=None),
     )
+
+
+def _verdict(passed: bool):
+    from kdtree import selfcheck
+
+    key = selfcheck.Key("NVIDIA RTX PRO 6000 Blackwell", "sm_120", "CUDA driver 13.1", "0" * 16)
+    row = selfcheck.Row("fuzz seed 17", 1, 1.5e-3 if passed else 0.9, passed, 0.1)
+    return selfcheck.Verdict(key, passed, 1e-2, [row], 0.1, "2026-12-06T00:00:00Z")
+
+
+@pytest.mark.parametrize("outcome", ["pass", "fail", "error", "skipped"])
+def test_the_backend_serves_only_after_its_self_check_passes(standin_backend, monkeypatch, caplog, outcome):
+    """Built in serve mode, the backend runs the self-check before any step: a FAIL, or a check that cannot run,
+    makes the server's verify steps Triton's with one line saying why; a pass or a skip leaves kdtree serving."""
+    from kdtree import selfcheck
+    from kdtree.sglang import log
+    from kdtree.sglang.step import Refusal
+
+    backend, _ = standin_backend
+    cls = type(backend)
+
+    def ensure(impl):
+        if outcome == "error":
+            raise RuntimeError("no CUDA device")
+        return (None, False) if outcome == "skipped" else (_verdict(outcome == "pass"), False)
+
+    monkeypatch.setattr(selfcheck, "ensure", ensure)
+    monkeypatch.setattr(log, "_said", set())
+    with caplog.at_level(logging.INFO, logger="kdtree"):
+        b = cls(types.SimpleNamespace(tp_rank=0, tp_size=1, model_config=types.SimpleNamespace(model_path="tiny")))
+    lines = [r.getMessage() for r in caplog.records if "self-check" in r.getMessage()]
+    assert len(lines) == 1, lines
+    want = {"pass": ("serve", "self-check passed"), "skipped": ("serve", "skipped (KDTREE_SELFCHECK=0)"),
+            "fail": ("triton", "FAILED on NVIDIA RTX PRO 6000 Blackwell (fuzz seed 17: rel 9.00e-01"),
+            "error": ("triton", "could not prepare: its self-check did not run (RuntimeError: no CUDA device)")}[outcome]  # fmt: skip
+    assert b.settings.mode == want[0] and want[1] in lines[0]
+    if want[0] == "triton":
+        assert b.step_refusal(forward_batch()) == Refusal.MODE.format(mode="triton")
 
 
 def test_the_backend_keeps_its_step_in_one_state(standin_backend):

@@ -18,6 +18,7 @@ Imports SGLang (0.5.23): load it through the plugin (`kdtree.sglang.plugin`), no
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -58,12 +59,42 @@ class KdtreeAttnBackend(TritonAttnBackend):
         )
         self.capture = CaptureWriter(self.settings.capture_dir, self.settings.capture_max_files, self.settings.capture_max_bytes)
         self.step_state = StepState()  # the step in flight and the CUDA graphs captured (`StepState`)
+        if self.settings.mode == "serve":
+            self._selfcheck()
         log.once(
             "mode",
             f"attention backend kdtree, mode {self.settings.mode} (KDTREE_MODE), body {self.settings.body} (KDTREE_BODY), "
             f"TP rank {self.tp_rank}",
             logging.INFO,
         )
+
+    def _selfcheck(self) -> None:
+        """Before the first served step, never inside one: the kernel's self-check on this GPU (`kdtree.selfcheck`,
+        cached per GPU, driver and kernel source). A failed check, or one that cannot run, makes this server's
+        verify steps Triton's, said in one line; KDTREE_SELFCHECK=0 skips it."""
+        from kdtree import selfcheck
+
+        try:
+            verdict, cached = selfcheck.ensure("cuda")
+        except Exception as e:  # noqa: BLE001 - kdtree never takes a server down
+            log.once(
+                "selfcheck", f"kdtree could not prepare: its self-check did not run ({type(e).__name__}: {e}); Triton serves"
+            )
+            self.settings = dataclasses.replace(self.settings, mode="triton")
+            return
+        if verdict is None:
+            log.once("selfcheck", f"self-check skipped ({selfcheck.SKIP_VAR}=0)", logging.INFO)
+        elif not verdict.passed:
+            worst = max(verdict.rows, key=lambda r: r.worst_rel)
+            log.once(
+                "selfcheck",
+                f"kdtree's self-check FAILED on {verdict.key.gpu} ({worst.name}: rel {worst.worst_rel:.2e} > "
+                f"{verdict.tolerance:g}); Triton serves (`kdtree selfcheck --force` checks again)",
+            )
+            self.settings = dataclasses.replace(self.settings, mode="triton")
+        else:
+            how = "cached" if cached else f"{len(verdict.rows)} batches in {verdict.seconds:.1f} s"
+            log.once("selfcheck", f"self-check passed on {verdict.key.gpu} ({how})", logging.INFO)
 
     @property
     def verify_step(self) -> int:
