@@ -1,4 +1,4 @@
-"""`kdtree` command line: info, synth, diff, compile, plan, bench, server-check, selfcheck.
+"""`kdtree` command line: info, synth, diff, compile, plan, bench, server-check, selfcheck, tune.
 
 Exit codes: 0 success / within tolerance; 1 outside tolerance or a failed check; 2 bad input (`BadInput`, raised
 where the input is checked: one line on stderr naming what and where, no traceback, nothing written); 3 a bug in
@@ -617,6 +617,53 @@ def selfcheck_cmd(
         typer.echo(selfcheck.format_verdict(verdict, path))
         typer.echo("(cached verdict; --force checks again)" if cached else f"wrote {path}", err=True)
     raise typer.Exit(0 if verdict.passed else 1)
+
+
+@command("tune")
+def tune_cmd(
+    case: Optional[List[str]] = typer.Option(None, "--case", help="bench cases by substring (default: all twelve)"),
+    fuzz: int = typer.Option(40, help="fuzz batches of seeds 0 .. N-1 besides the cases"),
+    repeat: int = typer.Option(1, help="time and fit this many times (the picks of each against the last's)"),
+    out: Path = typer.Option(Path("tune-out"), "--out", "-o", help="folder for tune.json"),
+    write: bool = typer.Option(True, "--write/--no-write", help="write the tuning file the planner loads"),
+):
+    """Fit the planner's cost model to this GPU: every plan the planner weighs for the bench cases and fuzz
+    batches, timed; a least-squares fit of each body's unit and segment costs; the shipped model's picks and the
+    fit's against the fastest plan per batch. Writes the tuning file for this GPU and kernel source (the planner
+    loads it; KDTREE_TUNING=off ignores it). Needs a GPU."""
+    from kdtree import tune
+    from kdtree.impls import gpu_available
+    from kdtree.kernel import source_hash
+
+    if not gpu_available():
+        raise BadInput("kdtree tune times the kernel: it needs a CUDA GPU with CuPy")
+    if fuzz < 0 or repeat < 1:
+        raise BadInput(f"--fuzz must be >= 0 and --repeat >= 1 (got {fuzz}, {repeat})")
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--out {out}: exists and is not a directory")
+    batches = tune.batches_to_time(list(case or []), fuzz)
+    if not batches:
+        raise BadInput(f"--case {case}: no bench case matches")
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    console = Console(stderr=True)
+    with console.status("tune") as status:
+        result = tune.tune(batches, repeat=repeat, say=status.update)
+    f = result.pop("_model")
+    typer.echo(tune.format_summary(result["summary"]))
+    typer.echo(f"fit over {len(batches)} batches: rms {f.rms_rel:.1%} of a launch's time; fitted {', '.join(f.fitted)}")
+    for kind in sorted(f.model.unit_cost):
+        typer.echo(f"  {kind:12s} unit {f.model.unit_cost[kind]:.3f}  segment {f.model.segment_cost[kind]:.2f}")
+    if "repeat_same_picks" in result:
+        typer.echo("same tuned picks as the last pass: " + ", ".join(f"{x:.0%}" for x in result["repeat_same_picks"]))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune.json").write_text(json.dumps(result, indent=1, default=str))
+    if write:
+        path = tune.tuning_path(props.name, props.multi_processor_count)
+        tune.save(tune.TuningFile(props.name, props.multi_processor_count, source_hash(), f.model, f.fitted, f.rms_rel), path)
+        typer.echo(f"wrote {path} (the planner loads it on this GPU; KDTREE_TUNING=off ignores it)")
+    typer.echo(f"wrote {out / 'tune.json'}", err=True)
 
 
 def main() -> None:

@@ -84,3 +84,49 @@ def test_saving_a_model_with_an_impossible_cost_is_refused_and_writes_nothing(tm
     with pytest.raises(TuneError, match="finite"):
         tune.save(TuningFile("g", 1, "h", bad), tmp_path / "t.json")
     assert not list(tmp_path.iterdir())
+
+
+def test_the_shipped_model_is_the_planners_own_costs():
+    """`shipped_model()` restates the planner's constants: weighing a batch's plans with it gives the planner's
+    costs exactly, and a model that doubles one body's unit cost changes only that body's plans' costs."""
+    from kdtree.fuzz import fuzz_spec
+    from kdtree.kernel import KernelConfig
+    from kdtree.kernel.planner import cost_kind, weighed_plans
+    from kdtree.marshal import marshal
+    from kdtree.synth import synthesize
+
+    cap = synthesize(fuzz_spec(22), reference=False)
+    args, H = marshal(cap), cap.meta.num_heads
+    configs = KernelConfig.candidates("sm_90")
+    planner_costs = weighed_plans(args, H, 132, configs, l2_bytes=60 << 20)
+    shipped = weighed_plans(args, H, 132, configs, l2_bytes=60 << 20, model=tune.shipped_model())
+    assert [c for _, c in shipped] == pytest.approx([c for _, c in planner_costs], rel=1e-12)
+    m = tune.shipped_model()
+    doubled = CostModel({**m.unit_cost, "mma32": 2 * m.unit_cost["mma32"]}, m.segment_cost)
+    for (p, c), (_, d) in zip(planner_costs, weighed_plans(args, H, 132, configs, l2_bytes=60 << 20, model=doubled)):
+        assert (d > c) if cost_kind(p.config) == "mma32" else (d == pytest.approx(c)), p.config
+
+
+def test_the_planner_loads_this_gpus_tuning_file_and_ignores_a_foreign_one(tmp_path, caplog):
+    from kdtree.kernel import source_hash
+
+    f = tune.fit(timings(TRUE))
+    path = tune.tuning_path("GPU A", 188, tmp_path)
+    tune.save(TuningFile("GPU A", 188, source_hash(), f.model, f.fitted), path)
+    env = {"KDTREE_CACHE_DIR": str(tmp_path)}
+    tune._active.clear()
+    assert tune.active_model("GPU A", 188, {"KDTREE_TUNING": str(path)}) == f.model
+    assert tune.active_model("GPU A", 188, {"KDTREE_TUNING": "off"}) is None
+    with caplog.at_level("WARNING", logger="kdtree"):
+        assert tune.active_model("GPU B", 132, {"KDTREE_TUNING": str(path)}) is None  # foreign: said, not used
+    assert "foreign" in caplog.text and "shipped cost model" in caplog.text
+    assert tune.active_model("GPU C", 1, env) is None  # none written for it: the shipped model, silently
+
+
+def test_a_batchs_picks_are_read_against_its_fastest_plan():
+    bt = tune.BatchTimes("b", ["x", "y", "z"], [1.0, 0.8, 1.2], [1.0, 2.0, 3.0], [], tuned_cost=[3.0, 1.0, 2.0])
+    s = tune.summary([bt])
+    (row,) = s["rows"]
+    assert (row["fastest"], row["shipped_pick"], row["tuned_pick"]) == ("y", "x", "y")
+    assert row["shipped_ratio"] == pytest.approx(1.25) and row["tuned_ratio"] == 1.0
+    assert "tuned picks over the fastest: geomean 1.000" in tune.format_summary(s)

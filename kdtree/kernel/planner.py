@@ -455,7 +455,7 @@ def padded_units(config: KernelConfig) -> int:
     return 4 if config.wg_blocks64 else 2 if (config.wgmma and config.wg_split) else 1
 
 
-def estimated_cost(p: LaunchPlan) -> float:
+def estimated_cost(p: LaunchPlan, model=None) -> float:
     """A plan's time in wgmma units (for choosing between configurations, not a prediction in ms): its slowest
     block's, which ends the launch: its weighted units, each segment's padded as its body runs it, x the body's
     unit cost, plus a segment cost for each row tile it works on (a mean over blocks misses short requests
@@ -464,6 +464,8 @@ def estimated_cost(p: LaunchPlan) -> float:
     kind = cost_kind(p.config)
     unit = UNIT_COST.get(kind, p.config.bm / 64 * UNIT_COST["mma64"])
     segment = SEGMENT_COST_PER_ROW * p.config.bm * SEGMENT_COST_SCALE.get(kind, 1.0)
+    if model is not None:  # a `kdtree.tune.CostModel` fitted to the present GPU: its costs where it has them
+        unit, segment = model.unit_cost.get(kind, unit), model.segment_cost.get(kind, segment)
     if p.block_padded_work is None:
         return (p.work * unit + p.segments * segment) / p.grid
     return float((p.block_padded_work * unit + p.block_segments * segment).max())
@@ -487,6 +489,7 @@ def weighed_plans(
     *,
     l2_bytes: int | None = None,
     aligned: bool = True,
+    model=None,
 ) -> list[tuple[LaunchPlan, float]]:
     """Every plan `choose_plan` weighs, with the cost it weighs it by: the batch planned with each configuration,
     its row tiles ending at their last visible key and not, each costed by `estimated_cost`. Equal row tiles can
@@ -499,7 +502,8 @@ def weighed_plans(
     (docs/kernel-design.md, "Cost model"). On 64-key blocks a batch with a request long enough to be cut alike
     (ALIGN_SHARES) is also planned so (`aligned_split`, a segment weighed ALIGN_SEGMENT_UNITS; `aligned`=False:
     not), and weighed as any other split plan, L2_SPREAD_COST included: `estimated_cost` has no term for the
-    aligned request's keys read together, so the candidate wins by its balance alone."""
+    aligned request's keys read together, so the candidate wins by its balance alone. `model`: a cost model fitted
+    to the present GPU (`kdtree.tune`) in place of the shipped constants; the plans weighed are the same."""
     options = [(c, v) for c in configs for v in (True, False)]
     plans = [plan(args, num_heads, num_sms, c, visible_keys=v) for c, v in options]
     cut_alike = (
@@ -509,14 +513,15 @@ def weighed_plans(
     )
     cut_alike = [p for p in cut_alike if p.aligned]
     if not l2_bytes or pool_row_bytes(args) <= l2_bytes:
-        return [(p, estimated_cost(p)) for p in plans + cut_alike]
+        return [(p, estimated_cost(p, model)) for p in plans + cut_alike]
     whole = [
         plan(args, num_heads, num_sms, c, visible_keys=v, grid=p.row_tiles)
         for (c, v), p in zip(options, plans)
         if p.row_tiles < p.grid
     ]
     return [
-        (p, estimated_cost(p) * (1 + L2_SPREAD_COST * p.split)) for p in plans + cut_alike + [p for p in whole if not p.split]
+        (p, estimated_cost(p, model) * (1 + L2_SPREAD_COST * p.split))
+        for p in plans + cut_alike + [p for p in whole if not p.split]
     ]
 
 
