@@ -1,4 +1,4 @@
-"""`kdtree` command line: info, synth, diff, compile, plan, bench, server-check, selfcheck, tune.
+"""`kdtree` command line: info, synth, diff, compile, plan, bench, server-check, selfcheck, tune, report.
 
 Exit codes: 0 success / within tolerance; 1 outside tolerance or a failed check; 2 bad input (`BadInput`, raised
 where the input is checked: one line on stderr naming what and where, no traceback, nothing written); 3 a bug in
@@ -664,6 +664,35 @@ def tune_cmd(
         tune.save(tune.TuningFile(props.name, props.multi_processor_count, source_hash(), f.model, f.fitted, f.rms_rel), path)
         typer.echo(f"wrote {path} (the planner loads it on this GPU; KDTREE_TUNING=off ignores it)")
     typer.echo(f"wrote {out / 'tune.json'}", err=True)
+
+
+@command("report")
+def report_cmd(
+    out: Path = typer.Option(Path("kdtree-report"), "--out", "-o", help="the folder to send back"),
+    fuzz: int = typer.Option(40, help="fuzz batches the planner's picks are timed on (with the bench cases)"),
+):
+    """What to send back from a GPU not in the support matrix (an RTX PRO 6000, say): the environment, the
+    self-check, the compile report, the ceilings, the bench against SGLang's Triton kernel (where it imports), and
+    the planner's picks before and after a fit to this GPU - report.json, report.png and summary.md in one folder.
+    A part that fails is recorded with its error; the others still run. Needs a GPU; about 10 minutes."""
+    from functools import partial
+
+    from kdtree import report
+    from kdtree.impls import gpu_available
+
+    if not gpu_available():
+        raise BadInput("kdtree report measures this GPU: it needs a CUDA GPU with CuPy")
+    if fuzz < 0:
+        raise BadInput(f"--fuzz must be >= 0, got {fuzz}")
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--out {out}: exists and is not a directory")
+    parts = dict(report.PARTS, tune=partial(report.tune_part, fuzz))
+    with Console(stderr=True).status("report") as status:
+        r = report.run(out, parts=parts, say=status.update)
+    for name, part in r["parts"].items():
+        typer.echo(f"{name:12s} {'ok' if part['ok'] else 'FAILED: ' + part['error']} ({part['seconds']} s)")
+    typer.echo(f"wrote {out}/report.json, summary.md" + (", report.png" if (out / "report.png").exists() else ""))
+    raise typer.Exit(0 if all(p["ok"] for p in r["parts"].values()) else 1)
 
 
 def main() -> None:

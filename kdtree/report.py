@@ -1,0 +1,181 @@
+"""`kdtree report`: what the owner of a GPU nobody here has (an RTX PRO 6000, say) runs once and sends back, in one
+folder: the environment, the self-check, the compile report, the ceilings, the bench against SGLang's Triton
+kernel (where it imports), and the planner's picks before and after `kdtree tune`'s fit - as report.json, a
+figure (report.png) and a short summary.md.
+
+Each part runs on its own: one that fails is recorded with its error and traceback and the others still run, so a
+report always says what it could measure. report.json is rewritten after each part (an interrupted run leaves the
+parts done). The tuning file is not written: `kdtree tune` does that when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+FORMAT = "kdtree-report/1"
+
+
+def environment() -> dict:
+    """The GPU, its driver and the software kdtree runs on."""
+    import importlib.metadata
+
+    import torch
+
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "cupy": next((v for d in ("cupy-cuda13x", "cupy-cuda12x", "cupy") if (v := version(d))), None),
+        "sglang": version("sglang"),
+        "triton": version("triton"),
+        "kdtree": version("kdtree"),
+    }
+    if torch.cuda.is_available():
+        dev = torch.cuda.current_device()
+        p = torch.cuda.get_device_properties(dev)
+        env |= {
+            "gpu": p.name,
+            "capability": f"sm_{p.major}{p.minor}",
+            "sms": p.multi_processor_count,
+            "memory_gib": round(p.total_memory / 2**30, 1),
+            "l2_bytes": getattr(p, "L2_cache_size", None),
+        }
+        from kdtree.selfcheck import _driver_version
+
+        env["driver"] = _driver_version()
+    return env
+
+
+def selfcheck_part() -> dict:
+    from kdtree import selfcheck
+
+    verdict, _ = selfcheck.ensure("cuda", force=True)
+    return {"verdict": verdict.to_json(), "text": selfcheck.format_verdict(verdict)}
+
+
+def compile_part() -> dict:
+    from kdtree.kernel import KernelConfig, compile_report
+    from kdtree.kernel.config import target_arch
+
+    arch = target_arch()
+    rows = [r for c in KernelConfig.candidates(arch) for r in compile_report(arch, c)]
+    return {"target": arch, "lines": [r.line() for r in rows], "ok": all(r.ok for r in rows)}
+
+
+def bench_part() -> dict:
+    from kdtree import bench
+
+    return bench.run(log=lambda _: None)
+
+
+def tune_part(fuzz: int = 40) -> dict:
+    from kdtree import tune
+
+    result = tune.tune(tune.batches_to_time([], fuzz))
+    result.pop("_model")
+    return result
+
+
+PARTS: dict[str, Callable[[], dict]] = {
+    "environment": environment,
+    "selfcheck": selfcheck_part,
+    "compile": compile_part,
+    "bench": bench_part,
+    "tune": tune_part,
+}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def run(out_dir: Path, *, parts: dict[str, Callable[[], dict]] | None = None, say=lambda _: None) -> dict:
+    """Every part in order, each recorded (with its seconds, or its error and traceback); then the summary and
+    the figure. Returns the report."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"format": FORMAT, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parts": {}}
+    for name, fn in (parts or PARTS).items():
+        say(f"report: {name}")
+        t0 = time.perf_counter()
+        try:
+            report["parts"][name] = {"ok": True, "result": fn()}
+        except Exception as e:  # noqa: BLE001 - one part's failure is a finding; the others still run
+            report["parts"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        report["parts"][name]["seconds"] = round(time.perf_counter() - t0, 1)
+        _write_json(out_dir / "report.json", report)
+    (out_dir / "summary.md").write_text(summary(report))
+    bench = report["parts"].get("bench", {})
+    if bench.get("ok") and bench["result"].get("cases"):
+        from kdtree.plots import bench_figure
+
+        bench_figure(bench["result"]).savefig(out_dir / "report.png", dpi=110, bbox_inches="tight")
+    return report
+
+
+def summary(report: dict) -> str:
+    """The report in a page of markdown: what ran, what it found, what failed."""
+    parts = report["parts"]
+    lines = ["# kdtree report", ""]
+    env = parts.get("environment", {}).get("result", {})
+    if env:
+        lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in env.items()] + [""]
+    for name, part in parts.items():
+        head = f"## {name} ({part['seconds']} s)"
+        if not part["ok"]:
+            lines += [head, "", f"FAILED: `{part['error']}` (traceback in report.json)", ""]
+            continue
+        r = part["result"]
+        if name == "selfcheck":
+            lines += [head, "", "```", r["text"], "```", ""]
+        elif name == "compile":
+            lines += [
+                head,
+                "",
+                f"target {r['target']}: {'fits' if r['ok'] else 'DOES NOT FIT'}",
+                "",
+                "```",
+                *r["lines"],
+                "```",
+                "",
+            ]
+        elif name == "bench":
+            from kdtree.bench import summary_table
+
+            c = r.get("ceilings", {})
+            nan = float("nan")
+            lines += [
+                head,
+                "",
+                f"ceilings: bf16 matmul {c.get('matmul_bf16_tflops', nan):.0f} TFLOP/s, copy {c.get('copy_tbps', nan):.2f} TB/s, "
+                f"mma.sync raw {c.get('mma_sync_raw_tflops', nan):.0f} TFLOP/s",
+                "",
+                "```",
+                summary_table(r),
+                "```",
+                "",
+            ]
+        elif name == "tune":
+            s = r["summary"]
+            lines += [head, ""]
+            lines += [
+                f"- {k} picks over the fastest plan: geomean {s[k]['geomean']:.3f}, worst {s[k]['worst']:.3f}"
+                for k in ("shipped", "tuned")
+                if s[k]["geomean"] is not None
+            ]
+            lines.append("")
+    return "\n".join(lines)
