@@ -341,7 +341,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
 #define VMLA_WALK_LEAN (VMLA_TRACE || VMLA_PHASES)
 #endif
 
-// A plan entry loaded where it is used, not held across a segment (the 64-key-block body has no register to spare).
+// A plan entry loaded where it is used, not held across a segment (the blocks64 body has no register to spare).
 __device__ __forceinline__ int plan_entry(const int* p, int i) {
   int v;
   asm volatile("ld.global.nc.s32 %0, [%1];\n" : "=r"(v) : "l"(p + i));
@@ -419,12 +419,12 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
     if (VMLA_FEW_ROWS > 0 && (a.qo_indptr[b + 1] - a.qo_indptr[b]) * num_heads - rt_row0[rt] <= VMLA_FEW_ROWS)
       vmla_wg::verify_segment_few(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
     else
-#if VMLA_WG_SPLIT_KEYS && VMLA_WG_SEESAW64
-      vmla_wg::verify_segment_seesaw64(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
-#elif VMLA_WG_SPLIT_KEYS
+#if VMLA_SPLIT_KEYS && VMLA_BLOCKS64
+      vmla_wg::verify_segment_blocks64(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
+#elif VMLA_SPLIT_KEYS
       vmla_wg::verify_segment_split_keys(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
 #else
-      vmla_wg::verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
+      vmla_wg::verify_segment_dims_split(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
 #endif
 #else
     verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge);
