@@ -351,21 +351,7 @@ __device__ __forceinline__ int plan_entry(const int* p, int i) {
 // Persistent stream-K grid: block c takes work units [cta_unit_start[c], cta_unit_start[c + 1]) of the list of
 // (row tile, key tile) units; row tile rt owns units [rt_unit_start[rt], rt_unit_start[rt + 1]).
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, VMLA_BLOCKS_PER_SM)
-verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv_buffer,
-               const int* __restrict__ qo_indptr, const int* __restrict__ kv_indptr,
-               const int* __restrict__ kv_indices, const int* __restrict__ prefix_lens,
-               const int* __restrict__ tree_mask, int mask_words, int num_heads, float sm_scale, float logit_cap,
-               __nv_bfloat16* __restrict__ o, float* __restrict__ lse,
-               const int* __restrict__ cta_unit_start,  // [grid + 1]
-               const int* __restrict__ cta_first_rt,    // [grid]
-               const int* __restrict__ rt_unit_start,   // [row tiles + 1]
-               const int* __restrict__ rt_request,      // [row tiles]
-               const int* __restrict__ rt_row0,         // [row tiles] first row within its request
-               const int* __restrict__ rt_first_cta,    // [row tiles] block holding the tile's first unit
-               const int* __restrict__ rt_seg_base,     // [row tiles + 1] partial slots of each tile
-               float* __restrict__ part_o,              // [segments, BM, 512]
-               float* __restrict__ part_lse,            // [segments, BM]
-               int* __restrict__ rt_counter) {          // [row tiles] zeros, or null: no fused merge
+verify_mla_fwd(VMLA_KERNEL_PARAMS(VMLA_FWD_PARAMS)) {  // vmla::FwdParams' members (verify_mla_params.cuh)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BlockSmem& sm = *reinterpret_cast<BlockSmem*>(smem_raw + (SMEM_ALIGN ? (SMEM_ALIGN - smem_addr(smem_raw) % SMEM_ALIGN) % SMEM_ALIGN : 0));
   const Args a{q, kv_buffer, qo_indptr, kv_indptr, kv_indices, prefix_lens, tree_mask, mask_words, num_heads,

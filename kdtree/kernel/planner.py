@@ -14,6 +14,7 @@ import torch
 from kdtree.kernel.config import FUSED_MERGE_SEGS, POOL_ROW_BYTES, KernelConfig
 from kdtree.marshal import VerifyArgs
 
+# The plan arrays verify_mla_fwd takes, in its parameter order (kdtree.kernel.launch.FwdParams)
 FWD_ARRAYS = ("cta_unit_start", "cta_first_rt", "rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base")
 # (+ verify_mla_merge's per-row (first partial line, partials), [T * H, 2])
 PLAN_ARRAYS = FWD_ARRAYS + ("row_merge",)
