@@ -75,7 +75,7 @@ def main():
             p = choose_plan(args, H, a.num_sms, configs, l2_bytes=l2_bytes)
             reads, misses = dram_rows(p, args, l2_bytes // POOL_ROW_BYTES, a.segment_steps)
             print(
-                f"   {order:18s} bm {p.config.bm}{' b64' if p.config.wg_blocks64 else ''} grid {p.grid} segments "
+                f"   {order:18s} {p.config.body} grid {p.grid} segments "
                 f"{p.segments}: L2 hits {1 - misses / reads:.0%}, DRAM {misses * POOL_ROW_BYTES / 1e6:,.0f} MB"
             )
 

@@ -35,15 +35,13 @@ def median_ms(kern, run: bench.CaseLaunch) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="*", default=["8k x8", "mixed", "32k x2", "32k x4", "128k", "8k x4"])
-    ap.add_argument(
-        "--blocks64", action="store_true", help="FlashMLA's schedule on 64-key blocks alone (Hopper), not the cost model's pick"
-    )
+    ap.add_argument("--blocks64", action="store_true", help="the blocks64 body alone (Hopper), not the cost model's pick")
     ap.add_argument("--segment-units", type=float, default=None, help="with --blocks64: plan(segment_units=...)")
     a = ap.parse_args()
     if a.segment_units is not None and not a.blocks64:
         ap.error("--segment-units needs --blocks64 (the cost model's pick plans with the default weights)")
     if a.blocks64:
-        config = KernelConfig.blocks64()
+        config = KernelConfig.for_arch("sm_90a-blocks64")
         kern = VerifyKernel.get(config)
 
         def plan_fn(args, num_heads):

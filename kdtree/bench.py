@@ -237,7 +237,7 @@ def kdtree_fn(cap: Capture, args: VerifyArgs, sets):
         "bm": p.config.bm,
         "wgmma": p.config.wgmma,
         "few_rows": p.config.few_row_limit,
-        "blocks64": p.config.wg_blocks64,
+        "blocks64": p.config.blocks64,
         "aligned": p.aligned,
         "smem": p.config.smem_bytes,
     }

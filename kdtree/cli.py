@@ -357,8 +357,8 @@ def bench(
     target: Optional[str] = typer.Option(
         None,
         "--target",
-        help="run the configuration another target would run (e.g. sm_120), where it fits; sm_90a-b64: Hopper's "
-        "64-key blocks alone",
+        help="run the configuration another target would run (e.g. sm_120), where it fits; sm_90a-blocks64: the "
+        "blocks64 body alone (Hopper)",
     ),
     chain: bool = typer.Option(
         False,

@@ -9,20 +9,11 @@ from kdtree.kernel.planner import pool_row_bytes
 from kdtree.marshal import VerifyArgs
 
 
-def body_name(config: KernelConfig) -> str:
-    """The segment body, in the design doc's words."""
-    if not config.wgmma:
-        return f"mma.sync BM {config.bm}"
-    if config.wg_blocks64:
-        return "64-key blocks"
-    return ("split keys" if config.wg_split else "dims split") + (" + few" if config.few_rows else "")
-
-
 def plan_row(p: LaunchPlan, cost: float, picked: bool) -> dict:
     """One weighed plan as numbers (per block: padded units and segments, as `estimated_cost` reads them)."""
     padded, segments = p.block_padded_work, p.block_segments  # (host plans: `weighed_plans` makes no others)
     return {
-        "body": body_name(p.config),
+        "body": p.config.body,
         "keys": "visible" if p.visible_keys else "all",
         "split": "aligned" if p.aligned else ("one tile a block" if not p.split and p.grid == p.row_tiles else "balanced"),
         "grid": p.grid,

@@ -92,14 +92,14 @@ class PlanGraph:
 def serving_config(configs: tuple[KernelConfig, ...], body: str = "default") -> tuple[KernelConfig, str | None]:
     """The configuration a server runs for `body` (`kdtree.sglang.settings`, KDTREE_BODY) among the target's
     candidates, and why not, where it falls back to the first: `default` is the first (the target's own);
-    `blocks64` the one with FlashMLA's schedule on 64-key blocks (Hopper)."""
+    `blocks64` its blocks64 configuration (Hopper)."""
     if body == "default":
         return configs[0], None
     if body == "blocks64":
         for c in configs:
-            if c.wg_blocks64:
+            if c.blocks64:
                 return c, None
-        return configs[0], "no configuration on 64-key blocks for this target: running its default"
+        return configs[0], "no blocks64 configuration for this target: running its default"
     raise ValueError(f"body {body!r}: expected 'default' or 'blocks64'")
 
 

@@ -341,7 +341,7 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
 #define VMLA_WALK_LEAN (VMLA_TRACE || VMLA_PHASES)
 #endif
 
-// A plan entry loaded where it is used, not held across a segment (the 64-key-block body has no register to spare).
+// A plan entry loaded where it is used, not held across a segment (the blocks64 body has no register to spare).
 __device__ __forceinline__ int plan_entry(const int* p, int i) {
   int v;
   asm volatile("ld.global.nc.s32 %0, [%1];\n" : "=r"(v) : "l"(p + i));
@@ -351,21 +351,7 @@ __device__ __forceinline__ int plan_entry(const int* p, int i) {
 // Persistent stream-K grid: block c takes work units [cta_unit_start[c], cta_unit_start[c + 1]) of the list of
 // (row tile, key tile) units; row tile rt owns units [rt_unit_start[rt], rt_unit_start[rt + 1]).
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, VMLA_BLOCKS_PER_SM)
-verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv_buffer,
-               const int* __restrict__ qo_indptr, const int* __restrict__ kv_indptr,
-               const int* __restrict__ kv_indices, const int* __restrict__ prefix_lens,
-               const int* __restrict__ tree_mask, int mask_words, int num_heads, float sm_scale, float logit_cap,
-               __nv_bfloat16* __restrict__ o, float* __restrict__ lse,
-               const int* __restrict__ cta_unit_start,  // [grid + 1]
-               const int* __restrict__ cta_first_rt,    // [grid]
-               const int* __restrict__ rt_unit_start,   // [row tiles + 1]
-               const int* __restrict__ rt_request,      // [row tiles]
-               const int* __restrict__ rt_row0,         // [row tiles] first row within its request
-               const int* __restrict__ rt_first_cta,    // [row tiles] block holding the tile's first unit
-               const int* __restrict__ rt_seg_base,     // [row tiles + 1] partial slots of each tile
-               float* __restrict__ part_o,              // [segments, BM, 512]
-               float* __restrict__ part_lse,            // [segments, BM]
-               int* __restrict__ rt_counter) {          // [row tiles] zeros, or null: no fused merge
+verify_mla_fwd(VMLA_KERNEL_PARAMS(VMLA_FWD_PARAMS)) {  // vmla::FwdParams' members (verify_mla_params.cuh)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BlockSmem& sm = *reinterpret_cast<BlockSmem*>(smem_raw + (SMEM_ALIGN ? (SMEM_ALIGN - smem_addr(smem_raw) % SMEM_ALIGN) % SMEM_ALIGN : 0));
   const Args a{q, kv_buffer, qo_indptr, kv_indptr, kv_indices, prefix_lens, tree_mask, mask_words, num_heads,
@@ -419,12 +405,12 @@ verify_mla_fwd(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restr
     if (VMLA_FEW_ROWS > 0 && (a.qo_indptr[b + 1] - a.qo_indptr[b]) * num_heads - rt_row0[rt] <= VMLA_FEW_ROWS)
       vmla_wg::verify_segment_few(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
     else
-#if VMLA_WG_SPLIT_KEYS && VMLA_WG_SEESAW64
-      vmla_wg::verify_segment_seesaw64(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
-#elif VMLA_WG_SPLIT_KEYS
+#if VMLA_SPLIT_KEYS && VMLA_BLOCKS64
+      vmla_wg::verify_segment_blocks64(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
+#elif VMLA_SPLIT_KEYS
       vmla_wg::verify_segment_split_keys(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
 #else
-      vmla_wg::verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
+      vmla_wg::verify_segment_dims_split(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
 #endif
 #else
     verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge);

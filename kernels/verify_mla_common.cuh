@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include "verify_mla_config.cuh"
+#include "verify_mla_params.cuh"
 #include "verify_mla_hooks.cuh"
 #include "verify_mla_ptx.cuh"
 
@@ -382,8 +383,7 @@ __device__ __forceinline__ void merge_row(int row, int segs, const float* row_o,
   if (threadIdx.x == 0 && lse != nullptr) lse[row] = vmla::merged_lse(mw);
 }
 extern "C" __global__ void __launch_bounds__(128)
-verify_mla_merge(const int2* __restrict__ row_merge, const float* __restrict__ part_o,
-                 const float* __restrict__ part_lse, __nv_bfloat16* __restrict__ o, float* __restrict__ lse) {
+verify_mla_merge(VMLA_KERNEL_PARAMS(VMLA_MERGE_PARAMS)) {  // vmla::MergeParams' members (verify_mla_params.cuh)
   const int row = blockIdx.x;
   const int2 m = row_merge[row];
   const int segs = m.y;

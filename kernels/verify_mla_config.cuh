@@ -35,12 +35,13 @@
 #ifndef VMLA_WG_PIPE
 #define VMLA_WG_PIPE 0    // wgmma body: 1 = QK of tile t and P V of tile t-1 in flight together (3 stages)
 #endif
-#ifndef VMLA_WG_SPLIT_KEYS
-#define VMLA_WG_SPLIT_KEYS 0  // wgmma body: 1 = each warpgroup scores its own 32-key tile of a 64-key step over all
-                              // 576 dims (no partial scores to exchange; 4 stages); 0 = both split one tile's dims
+#ifndef VMLA_SPLIT_KEYS
+#define VMLA_SPLIT_KEYS 0  // wgmma body: 1 = split_keys, each warpgroup scores its own 32-key tile of a 64-key step
+                           // over all 576 dims (no partial scores to exchange; 4 stages); 0 = dims_split, both
+                           // split one tile's dims
 #endif
-#ifndef VMLA_WG_SEESAW64
-#define VMLA_WG_SEESAW64 0  // split-key layout: 1 = FlashMLA's schedule on 64-key blocks (verify_segment_seesaw64)
+#ifndef VMLA_BLOCKS64
+#define VMLA_BLOCKS64 0  // split_keys layout: 1 = blocks64, FlashMLA's schedule on 64-key blocks (verify_segment_blocks64)
 #endif
 #ifndef VMLA_KPASSES
 #define VMLA_KPASSES 1    // QK of a warp's keys in this many passes (fewer live score registers)

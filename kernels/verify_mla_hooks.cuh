@@ -3,7 +3,7 @@
 
 // Timing experiments only (the output is wrong with any of these): VMLA_SKIP_LOAD (no pool-row copies),
 // VMLA_SKIP_QK / VMLA_SKIP_PV (no tensor-core work in that phase), VMLA_SKIP_SOFTMAX (P = raw scores),
-// VMLA_SKIP_EXCHANGE (the dims-split wgmma body: each warpgroup softmaxes its own partial scores; no barrier).
+// VMLA_SKIP_EXCHANGE (the dims_split wgmma body: each warpgroup softmaxes its own partial scores; no barrier).
 // tools/variants.py times them against the real kernel to see where the time goes.
 // (each guards its phase with #ifndef VMLA_SKIP_<PHASE> where the phase is issued)
 
@@ -31,7 +31,7 @@ __device__ __forceinline__ void trace_mark(int slot) {
 #define VMLA_MARK(slot) ((void)0)
 #endif
 
-// VMLA_PHASES (timing experiments, tools/phase_profile.py): thread 0 of each warpgroup of the split-key loop sums
+// VMLA_PHASES (timing experiments, tools/phase_profile.py): thread 0 of each warpgroup of the split_keys loop sums
 // the clock64 cycles of each phase of a step in shared memory and adds them to vmla_phases[warpgroup][phase] once a
 // segment (phase 8: the steps counted): 0 the top (this step's tiles landed, the barrier; in a segment's first
 // step also its first tiles' loads), 1 QK and the next tiles issued, 2 QK's wait, 3 the row maxima, 4 their

@@ -4,11 +4,11 @@
 // domain with an exact running max), so the two agree to bf16 rounding, not bit for bit.
 //
 // Block: 64 rows (node, head), two warpgroups, 32-key tiles; two loops over them:
-//   split keys (VMLA_WG_SPLIT_KEYS, the default; verify_segment_split_keys): a step is two tiles, warpgroup g
+//   split_keys (VMLA_SPLIT_KEYS, the default; verify_segment_split_keys): a step is two tiles, warpgroup g
 //        scores tile g over all 576 dims (wgmma m64n32k16, A = Q and B = K both from shared memory), the two
 //        trade row maxima and then P, and each accumulates its output columns over both tiles.
-//   split dims (verify_segment): each warpgroup takes half of the 36 k16 steps of one tile, writes its fp32
-//        partial to shared memory and adds the other's: both then hold the full scores of all 64 rows and run
+//   dims_split (verify_segment_dims_split): each warpgroup takes half of the 36 k16 steps of one tile, writes its
+//        fp32 partial to shared memory and adds the other's: both then hold the full scores of all 64 rows and run
 //        the same softmax on them (registers, 2 rows x 8 keys a thread); optionally pipelined (VMLA_WG_PIPE).
 //   PV (both): warpgroup g accumulates output columns [256 g, 256 g + 256) (wgmma m64n256k16, A = P from
 //        registers, B = V from shared memory, N-major): 128 fp32 accumulators a thread.
@@ -32,12 +32,12 @@ constexpr int SX_STRIDE = BN + 8;               // fp32 per row of a partial-sco
 // flight); their slot ids SLOT_AHEAD tiles ahead, so they have landed by then.
 constexpr int LOAD_AHEAD = VMLA_STAGES - 1 - (VMLA_WG_PIPE ? 1 : 0);
 constexpr int SLOT_AHEAD = 2 * LOAD_AHEAD;
-// The split-key loop needs 4 slots (the ids of the next step's tiles, read, and of the step after, fetched); its
+// The split_keys loop needs 4 slots (the ids of the next step's tiles, read, and of the step after, fetched); its
 // few-row tiles, 3 stages deep, fetch 4 tiles ahead and need 5.
-constexpr int IDX_RING = VMLA_WG_SPLIT_KEYS ? 5 : 2 * VMLA_STAGES;
+constexpr int IDX_RING = VMLA_SPLIT_KEYS ? 5 : 2 * VMLA_STAGES;
 static_assert(LOAD_AHEAD >= 1, "the pipelined loop needs 3 stages");
-static_assert(!VMLA_WG_SPLIT_KEYS || (VMLA_STAGES == 4 && VMLA_WG_PIPE == 0),
-              "the split-key loop is 4 stages: a 64-key step and the next, loaded a step ahead");
+static_assert(!VMLA_SPLIT_KEYS || (VMLA_STAGES == 4 && VMLA_WG_PIPE == 0),
+              "the split_keys loop is 4 stages: a 64-key step and the next, loaded a step ahead");
 static_assert(VMLA_WG_PIPE == 0 || VMLA_WG_PIPE == 1, "VMLA_WG_PIPE: 0 (QK then P V per tile) or 1 (pipelined)");
 static_assert(BN == 32 && NT == 4, "the score fragments (wgmma_qk), the mask word and the PV k-steps assume 32-key tiles");
 static_assert(VMLA_BM == 64 && VMLA_WARPS == 8, "the wgmma path is 64 rows, two warpgroups");
@@ -45,8 +45,8 @@ static_assert(VMLA_BM == 64 && VMLA_WARPS == 8, "the wgmma path is 64 rows, two 
 struct Smem {
   __nv_bfloat16 q[ATOMS][BM][64];               // 1024-byte aligned atoms (the block's base is)
   __nv_bfloat16 kv[VMLA_STAGES][ATOMS][BN][64];
-  __nv_bfloat16 p[2][BM][BN];                   // the few-row segment's P; the split-key loop's P fragments
-#if VMLA_WG_SPLIT_KEYS
+  __nv_bfloat16 p[2][BM][BN];                   // the few-row segment's P; the split_keys loop's P fragments
+#if VMLA_SPLIT_KEYS
   float s[2][BM][2];                            // each warpgroup's row maxima and sums (then the fused merge's weights)
 #else
   float s[2][BM][SX_STRIDE];                    // each warpgroup's partial scores (then the fused merge's weights)
@@ -312,8 +312,8 @@ __device__ __forceinline__ void start_segment(Smem& sm, const Args& a, const Seg
 // One segment: rows [row0, row0 + 64) of request b against its keys [k_begin, k_end). Writes o/lse (out_o null)
 // or the fp32 partial out_o[64][512], out_lse[64] normalised by its own sum.
 template <class Merge>
-__device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
-                                               float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
+__device__ __forceinline__ void verify_segment_dims_split(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
+                                                          float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
   const int num_heads = a.num_heads;
   const SegmentRows seg(a, b, row0);
   const int prefix = seg.prefix, valid_rows = seg.valid_rows;
@@ -441,8 +441,8 @@ __device__ __forceinline__ void verify_segment(Smem& sm, const Args& a, int b, i
   __syncthreads();
 }
 
-#if VMLA_WG_SPLIT_KEYS
-// ---- warpgroups on their own tiles (VMLA_WG_SPLIT_KEYS) ----
+#if VMLA_SPLIT_KEYS
+// ---- warpgroups on their own tiles (VMLA_SPLIT_KEYS) ----
 // A step is 64 keys, two tiles: warpgroup g scores tile 2 i + g over all 576 dims (36 wgmma m64n32k16), so no
 // partial scores cross between them and each runs the softmax of its own tile only. The two trade their rows'
 // maxima (both then take the same reference max, so alpha and the running max are the same in both), each
@@ -540,8 +540,8 @@ __device__ __forceinline__ void verify_segment_split_keys(Smem& sm, const Args& 
 }
 #endif
 
-#if VMLA_WG_SPLIT_KEYS && VMLA_WG_SEESAW64
-// ---- FlashMLA's schedule on 64-key blocks (VMLA_WG_SEESAW64) ----
+#if VMLA_SPLIT_KEYS && VMLA_BLOCKS64
+// ---- blocks64: FlashMLA's schedule on 64-key blocks (VMLA_BLOCKS64) ----
 // The four 32-key stages as two 64-key buffers (64-row atoms, 72 KB each): warpgroup g scores the blocks of
 // buffer g over all 576 dims (wgmma m64n64k16: 4 KB of shared reads per 64 x 64 x 16, not 3 KB per 64 x 32 x 16)
 // and each accumulates its 256 output columns over both blocks (m64n256k16), its own P from registers and the
@@ -552,8 +552,8 @@ __device__ __forceinline__ void verify_segment_split_keys(Smem& sm, const Args& 
 // are refilled by warpgroup 0 once its P V on them is done, atoms 4-8 by warpgroup 1 after its own, and the next
 // QK waits for both halves (named barriers, one-way). A segment's blocks are padded to an even count (the last
 // zero-filled and masked).
-static_assert(VMLA_FEW_ROWS == 0, "the 64-key-block schedule runs without the few-row segment (beside it, it spills)");
-namespace seesaw {
+static_assert(VMLA_FEW_ROWS == 0, "the blocks64 body runs without the few-row segment (beside it, it spills)");
+namespace blocks64 {
 constexpr int BLK = 64, BAR_S0 = 1, BAR_S1 = 2, BAR_P0 = 3, BAR_K0R = 4, BAR_K1L = 5;
 __device__ __forceinline__ void arrive(int id) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(NUM_THREADS) : "memory"); }
 __device__ __forceinline__ void sync(int id) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(NUM_THREADS) : "memory"); }
@@ -718,12 +718,12 @@ __device__ __forceinline__ void rescale_p(const PWords& w, const float (&f)[2]) 
         }
     }
 }
-}  // namespace seesaw
+}  // namespace blocks64
 
 template <class Merge>
-__device__ __forceinline__ void verify_segment_seesaw64(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
+__device__ __forceinline__ void verify_segment_blocks64(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
                                                         float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
-  using namespace seesaw;
+  using namespace blocks64;
   const SegmentRows seg(a, b, row0);
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = (tid / 32) % 4, lane = tid % 32;
   const int tig = lane % 4;
@@ -921,10 +921,10 @@ __device__ __forceinline__ void verify_segment_seesaw64(Smem& sm, const Args& a,
 //        memory.
 //   PV:  warp w accumulates output columns [64 w, 64 w + 64) (8 n8 tiles, V by ldmatrix.trans): 32 fp32 a thread.
 // Without a P V in flight across tiles, two tiles load ahead (3 stages) and the slot ids four. Beside the
-// split-key loop (whose score buffer holds row statistics only) the partial scores go in the last of its 4 stages.
+// split_keys loop (whose score buffer holds row statistics only) the partial scores go in the last of its 4 stages.
 constexpr int FEW_BM = 16;                       // rows scored (one m16 block)
 constexpr int FEW_QROWS = 32;                    // Q rows gathered (gather_swizzled splits 32 rows evenly)
-constexpr int FEW_STAGES = VMLA_STAGES - VMLA_WG_SPLIT_KEYS;  // (split keys: the last stage holds the scores)
+constexpr int FEW_STAGES = VMLA_STAGES - VMLA_SPLIT_KEYS;  // (split_keys: the last stage holds the scores)
 constexpr int FEW_LOAD_AHEAD = FEW_STAGES - 1, FEW_SLOT_AHEAD = 2 * FEW_LOAD_AHEAD;
 constexpr int FEW_DSPLIT = 4, FEW_KSTEPS = KSTEPS / FEW_DSPLIT;  // QK: dim quarters, k16 steps in each
 constexpr int FEW_COLS = 4, FEW_TPR = BN / FEW_COLS;  // softmax: keys a thread, threads a row
@@ -932,7 +932,7 @@ static_assert(VMLA_FEW_ROWS <= FEW_BM, "a few-row tile is one m16 block");
 static_assert(FEW_SLOT_AHEAD + 1 <= IDX_RING, "the slot-id ring holds the ids requested and not yet used");
 static_assert(FEW_BM * P_STRIDE <= 2 * BM * BN, "P fits the P buffers");
 static_assert(FEW_DSPLIT * 2 == VMLA_WARPS && FEW_BM * FEW_TPR <= NUM_THREADS, "warps = dim quarters x key halves");
-static_assert((FEW_DSPLIT + 1) * FEW_BM * SX_STRIDE <= (VMLA_WG_SPLIT_KEYS ? ATOMS * BN * 32 : 2 * BM * SX_STRIDE),
+static_assert((FEW_DSPLIT + 1) * FEW_BM * SX_STRIDE <= (VMLA_SPLIT_KEYS ? ATOMS * BN * 32 : 2 * BM * SX_STRIDE),
               "the partial scores and row statistics fit their buffer");
 
 template <class Merge>
@@ -943,7 +943,7 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
   const int kh = warp % 2, dq = warp / 2;  // QK: this warp's key half (2 n8 tiles) and dim quarter
   const int num_tiles = (k_end - k_begin + BN - 1) / BN;
   // [FEW_DSPLIT][FEW_BM rows][SX_STRIDE] partial scores
-  float* part = VMLA_WG_SPLIT_KEYS ? reinterpret_cast<float*>(&sm.kv[FEW_STAGES][0][0][0]) : &sm.s[0][0][0];
+  float* part = VMLA_SPLIT_KEYS ? reinterpret_cast<float*>(&sm.kv[FEW_STAGES][0][0][0]) : &sm.s[0][0][0];
   float* row_alpha = part + FEW_DSPLIT * FEW_BM * SX_STRIDE;  // [FEW_BM], then the rows' sums [FEW_BM]
   __nv_bfloat16* p = &sm.p[0][0][0]; // [FEW_BM][P_STRIDE]
   // softmax threads (tid < 128): row srow, keys [scol, scol + 4)

@@ -34,7 +34,7 @@ __device__ __forceinline__ void wgmma_qk(float (&s)[4][4], uint64_t da, uint64_t
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
-// The QK step at N 64 (the 64-key-block schedule's): as wgmma_qk, B = 64 x 16.
+// The QK step at N 64 (the blocks64 body's): as wgmma_qk, B = 64 x 16.
 __device__ __forceinline__ void wgmma_qk64(float (&s)[8][4], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"

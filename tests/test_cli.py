@@ -61,7 +61,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         ("diff", SHIPPED[0], "--tol", "0"),
         ("plan", "--case", "mixed", "--sms", "0"),
         ("bench", "--chain", "--sglang", "-o", tmp_path / "b"),
-        ("bench", "--target", "sm_90a-B64", "-o", tmp_path / "b"),
+        ("bench", "--target", "sm_90a-Blocks64", "-o", tmp_path / "b"),
     ):
         r = kdtree(*args)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
@@ -80,7 +80,7 @@ def test_bench_checks_its_options_before_it_needs_a_gpu(tmp_path):
     for args, option in (
         (("--chain", "--flashinfer-backend", "fa4"), "--flashinfer-backend"),
         (("--flashinfer-backend", "fa2"), "--flashinfer-backend"),
-        (("--target", "sm_90a-B64"), "--target"),
+        (("--target", "sm_90a-Blocks64"), "--target"),
         (("--chain", "--sglang"), "--sglang"),
     ):
         r = kdtree("bench", *args, "-o", tmp_path / "b")
@@ -145,7 +145,8 @@ def test_compile_reports_every_configuration_and_refuses_a_missing_nvrtc(tmp_pat
     r = kdtree("compile", "--arch", "sm_90")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "(NVRTC 13." in r.stdout.splitlines()[0]
-    assert {l.split()[1] for l in r.stdout.splitlines()[1:]} == {"bm64+f16", "bm64/b64", "bm64", "bm32"}  # sm_90 runs all four
+    bodies = {l.split()[1] for l in r.stdout.splitlines()[1:]}
+    assert bodies == {"split_keys+few", "blocks64", "split_keys", "mma32"}  # sm_90 runs all four
     r = kdtree("compile", "--nvrtc", tmp_path / "libnvrtc.so.13")
     assert r.returncode == 2 and "--nvrtc: no such library" in r.stderr and r.stdout == ""
 
@@ -153,12 +154,11 @@ def test_compile_reports_every_configuration_and_refuses_a_missing_nvrtc(tmp_pat
 def test_plan_shows_what_the_cost_model_weighs_and_its_pick():
     """`kdtree plan` on a shipped capture and bench cases (no GPU): every plan `choose_plan` weighs, cheapest first,
     the one it picks marked, in the table and in --json; on Hopper with the H200's L2 mixed (81 MiB of pool rows)
-    is over it and picks the aligned plan on 64-key blocks, dsv3 32k x2 one tile a block; on sm_120 the only body
+    is over it and picks the aligned plan on blocks64, dsv3 32k x2 one tile a block; on sm_120 the only body
     is mma.sync at 32 rows."""
     from kdtree.bench import ALL_CASES
     from kdtree.kernel import KernelConfig, choose_plan
     from kdtree.marshal import marshal
-    from kdtree.plan_report import body_name
     from kdtree.synth import synthesize
 
     path = next(p for p in SHIPPED if "mixed" in p.name)
@@ -172,15 +172,15 @@ def test_plan_shows_what_the_cost_model_weighs_and_its_pick():
         assert [r["picked"] for r in rows].count(True) == 1 and rows[0]["picked"]
         assert [r["cost"] for r in rows] == sorted(r["cost"] for r in rows)
         p = choose_plan(marshal(cap), cap.meta.num_heads, 132, KernelConfig.candidates("sm_90"), l2_bytes=60 << 20)
-        assert (rows[0]["body"], rows[0]["grid"], rows[0]["partial_slots"]) == (body_name(p.config), p.grid, p.segments)
+        assert (rows[0]["body"], rows[0]["grid"], rows[0]["partial_slots"]) == (p.config.body, p.grid, p.segments)
         assert rows[0]["keys"] == ("visible" if p.visible_keys else "all") and doc[name]["over_l2"] == (name != str(path))
-    assert (doc["kimi-tp8 mixed"]["plans"][0]["body"], doc["kimi-tp8 mixed"]["plans"][0]["split"]) == ("64-key blocks", "aligned")
+    assert (doc["kimi-tp8 mixed"]["plans"][0]["body"], doc["kimi-tp8 mixed"]["plans"][0]["split"]) == ("blocks64", "aligned")
     assert doc["dsv3-tp8 ddtree256 32k x2"]["plans"][0]["split"] == "one tile a block"
     r = kdtree("plan", "--case", "mixed", "--target", "sm_120", "--sms", "188", "--l2-mib", "122")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith("kimi-tp8 mixed: sm_120, 188 SMs, L2 122 MiB; pool rows 81.") and "over it" not in lines[0]
-    assert lines[2].startswith("* mma.sync BM 32") and all("mma.sync BM 32" in l for l in lines[2:] if l.strip())
+    assert lines[2].startswith("* mma32 ") and all(l.startswith(("* mma32 ", "  mma32 ")) for l in lines[2:] if l.strip())
 
 
 def test_plan_bad_input_exits_2(tmp_path):

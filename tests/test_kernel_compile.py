@@ -145,13 +145,13 @@ def test_compile_errors_quote_the_offending_line(kernel_copy):
 @pytest.mark.parametrize(
     "stages,pipe,split",
     [(2, 0, False), (3, 0, False), (3, 1, False), (4, 0, True)],
-    ids=["dims-2-stages", "dims-3-stages", "dims-pipelined", "split-keys"],
+    ids=["dims_split-2-stages", "dims_split-3-stages", "dims_split-pipelined", "split_keys"],
 )
 def test_wgmma_variants_compile_and_fit(stages, pipe, split):
-    """The Hopper segment's loop variants (the default splits the keys of a 64-key step, 4 stages; the warpgroups
-    splitting a tile's dims instead, unpipelined or pipelined) compile for sm_90a without spills and within its
-    shared memory; `smem_bytes` is what the launch asks for."""
-    config = dataclasses.replace(KernelConfig.for_arch("sm_90"), stages=stages, wg_pipe=pipe, wg_split=split)
+    """The Hopper segment's loop variants (the default split_keys splits the keys of a 64-key step, 4 stages;
+    dims_split, the warpgroups splitting a tile's dims, unpipelined or pipelined) compile for sm_90a without spills
+    and within its shared memory; `smem_bytes` is what the launch asks for."""
+    config = dataclasses.replace(KernelConfig.for_arch("sm_90"), stages=stages, wg_pipe=pipe, split_keys=split)
     (fwd,) = [r for r in compile_report("sm_90", config) if r.name == "verify_mla_fwd"]
     assert fwd.ok and fwd.arch == "sm_90a", fwd.line()  # compiled: its shared memory is config.smem_bytes
 

@@ -256,7 +256,7 @@ def test_restructured_loops_give_the_same_bits(target):
             assert torch.equal(o1.view(torch.int16), o2.view(torch.int16)) and torch.equal(l1, l2), kern.config
 
 
-@pytest.mark.parametrize("body", ["sm_120-config", "wgmma+few", "wgmma-blocks64"])
+@pytest.mark.parametrize("body", ["mma32", "split_keys+few", "blocks64"])
 def test_the_order_of_a_blocks_segments_changes_no_bits(body):
     """A block runs its last segment first (`KernelConfig.last_segment_first`): the sm_120 configuration and the
     two Hopper configurations the bench cases run, each on its plans at the full grid (tiles split across
@@ -267,8 +267,8 @@ def test_the_order_of_a_blocks_segments_changes_no_bits(body):
     from kdtree.kernel import KernelConfig, VerifyKernel, Workspace, device_arch, plan
 
     hopper = KernelConfig.candidates("sm_90")
-    config = {"sm_120-config": KernelConfig(), "wgmma+few": hopper[0], "wgmma-blocks64": hopper[1]}[body]
-    assert config.wg_blocks64 == (body == "wgmma-blocks64")
+    config = {"mma32": KernelConfig(), "split_keys+few": hopper[0], "blocks64": hopper[1]}[body]
+    assert config.body == body
     if config.wgmma and device_arch() != "sm_90":
         pytest.skip(f"the wgmma segment needs Hopper (sm_90), this GPU is {device_arch()}")
     caps = [load(p) for p in SHIPPED] + [synthesize(fuzz_spec(s), device="cuda", reference=False) for s in range(1, 40, 6)]
@@ -338,11 +338,11 @@ def test_row_tiles_ending_at_their_last_visible_key_give_the_same_bits(target):
 
 
 @pytest.mark.parametrize("seed", range(0, 200, 4))
-@pytest.mark.parametrize("target", ["sm_120", "sm_90a", "sm_90a-b64"])
+@pytest.mark.parametrize("target", ["sm_120", "sm_90a", "sm_90a-blocks64"])
 def test_one_configuration_alone(monkeypatch, target, seed):
     """Each configuration on every batch, not only those the cost model gives it: the kernel sm_120 runs
-    (mma.sync, 32 rows, Q in registers, < 99 KB) and, on Hopper, the wgmma segment (64 rows) and FlashMLA's
-    schedule on 64-key blocks - every shipped capture (seed 0) and every fourth fuzz batch."""
+    (mma.sync, 32 rows, Q in registers, < 99 KB) and, on Hopper, split_keys (64 rows, few-row tiles) and
+    blocks64 - every shipped capture (seed 0) and every fourth fuzz batch."""
     from kdtree.kernel import KernelConfig, VerifyKernel, device_arch
 
     if target.startswith("sm_90a") and device_arch() != "sm_90":
@@ -408,10 +408,10 @@ def test_few_row_tiles_in_either_segment(few_rows):
     assert few_tiles > 20  # the batches do have few-row tiles
 
 
-def test_split_key_and_dim_split_bodies_agree():
-    """The Hopper body with each warpgroup on its own 32-key tile of a 64-key step (the default) and with the two
-    splitting one tile's dims (partial scores exchanged) both pass the oracle bar and agree to bf16 rounding, on
-    every shipped capture, fuzz batches (stream-K segments of odd tile counts end on a zero-filled second tile)
+def test_split_keys_and_dims_split_bodies_agree():
+    """The Hopper bodies split_keys (each warpgroup on its own 32-key tile of a 64-key step, the default) and
+    dims_split (the two splitting one tile's dims, partial scores exchanged) both pass the oracle bar and agree to
+    bf16 rounding, on every shipped capture, fuzz batches (stream-K segments of odd tile counts end on a zero-filled second tile)
     and requests of 0, 5, 31, 33 and 64 prefix keys."""
 
     from kdtree.kernel import KernelConfig, VerifyKernel, device_arch
@@ -419,7 +419,7 @@ def test_split_key_and_dim_split_bodies_agree():
     if device_arch() != "sm_90":
         pytest.skip(f"the wgmma segment needs Hopper (sm_90), this GPU is {device_arch()}")
     split = KernelConfig.for_arch("sm_90a")
-    assert split.wg_split
+    assert split.split_keys
     kern = VerifyKernel.get(split)
     dims = VerifyKernel.get(split.dims_split())
     caps = [load(p) for p in SHIPPED] + [synthesize(fuzz_spec(s), device="cuda", reference=False) for s in range(2, 60, 6)]
@@ -461,17 +461,17 @@ def test_one_row_tile_a_block(kern):
 
 def test_a_long_request_cut_alike(kern):
     """The bench's mixed batch (prefixes of 3 to 45,000 keys, N 65), on this GPU's candidates: on Hopper the cost
-    model takes the aligned plan on 64-key blocks (the 45,000-key request's nine row tiles cut at the same key
+    model takes the aligned plan on blocks64 (the 45,000-key request's nine row tiles cut at the same key
     offsets, the other requests balanced with a segment weighed ALIGN_SEGMENT_UNITS), against the references."""
     from kdtree.bench import CASES
     from kdtree.kernel import device_arch
 
     if device_arch() != "sm_90":
-        pytest.skip(f"64-key blocks, and so aligned plans, are Hopper's; this GPU is {device_arch()}")
+        pytest.skip(f"blocks64, and so aligned plans, are Hopper's; this GPU is {device_arch()}")
     cap = synthesize(next(c for c in CASES if c.name == "kimi-tp8 mixed").spec(), device="cuda")
     args, H = marshal(cap), cap.meta.num_heads
     p = kern.plan(args, H)
-    assert p.aligned and p.config.wg_blocks64
+    assert p.aligned and p.config.blocks64
     check_against_references(cap, 0, launched(kern, cap, args, p))
 
 
@@ -507,12 +507,12 @@ def test_flashinfer_on_chains_agrees_with_the_oracle_and_the_kernel(kern):
 @pytest.mark.parametrize(
     "capture,target,pdl",
     [("mixed", None, "0"), ("mixed", None, "1"), ("ddtree64-bs3", "sm_120", "0"), ("mixed", "sm_90a", "1")],
-    ids=["mixed", "mixed-pdl", "fused-merge", "split-key-body"],
+    ids=["mixed", "mixed-pdl", "fused-merge", "split_keys"],
 )
 def test_compute_sanitizer_is_clean(tool, capture, target, pdl):
     """On a small batch, the merge after a plain launch and as a programmatic dependent (the cost model runs the
     32-row body there); the third takes the fused merge (sm_120's configuration splits that batch so); the
-    fourth runs the Hopper split-key body (skipped elsewhere). The 64-key-block body is not here: racecheck
+    fourth runs the Hopper split_keys body (skipped elsewhere). The blocks64 body is not here: racecheck
     reports hazards on its bar.arrive hand-overs that it also reports on correct code (tools/racecheck_probe.py,
     docs/kernel-design.md, "racecheck on the 64-key-block body")."""
     from kdtree.kernel import device_arch

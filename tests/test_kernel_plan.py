@@ -123,11 +123,11 @@ def test_fused_merge_only_for_short_splits(cap, arch):
 
 
 def test_the_plan_picks_the_cheaper_configuration_per_batch():
-    """By the cost model fitted to H200 runs: on sm_90 (the split-key wgmma body at 64 rows with and without
-    few-row tiles, FlashMLA's schedule on 64-key blocks, mma.sync at 32) the small tree, the 4k batch and 64 x N1
-    keep the split-key body with few-row tiles (0.054 / 0.038 / 0.095 ms against 0.059 / 0.040 / 0.110 on 64-key
-    blocks, whose segments cost more and are padded to pairs of blocks:
-    docs/history/bench/variants-b64-segment-weight-h200.log), the other batches take 64-key blocks (32k x4 1.131 against
+    """By the cost model fitted to H200 runs: on sm_90 (split_keys at 64 rows with and without few-row tiles,
+    blocks64, mma.sync at 32) the small tree, the 4k batch and 64 x N1
+    keep split_keys with few-row tiles (0.054 / 0.038 / 0.095 ms against 0.059 / 0.040 / 0.110 on
+    blocks64, whose segments cost more and are padded to pairs of blocks:
+    docs/history/bench/variants-b64-segment-weight-h200.log), the other batches take blocks64 (32k x4 1.131 against
     1.453 ms; mixed 0.227 against 0.242, docs/history/bench/variants-short-segments-main-h200.log; mma.sync at 32 rows
     measured 1.15x a wgmma unit's time); where 64 rows means mma.sync (sm_100), the small tree and the 4k batch take
     32 rows (v7: 0.088 vs 0.098 ms)."""
@@ -140,12 +140,10 @@ def test_the_plan_picks_the_cheaper_configuration_per_batch():
         for case in cases:
             cap = synthesize(case.spec(), reference=False)
             c = choose_plan(marshal(cap), cap.meta.num_heads, 132, configs).config
-            out[case.name] = (
-                ("wgmma" if c.wgmma else "mma") + str(c.bm) + ("-few" if c.few_rows else "") + ("-b64" if c.wg_blocks64 else "")
-            )
+            out[case.name] = c.body
         return out
 
-    assert [(c.wgmma, c.bm, c.few_rows, c.wg_blocks64) for c in KernelConfig.candidates("sm_90")] == [
+    assert [(c.wgmma, c.bm, c.few_rows, c.blocks64) for c in KernelConfig.candidates("sm_90")] == [
         (True, 64, 16, False),
         (True, 64, 0, True),
         (True, 64, 0, False),
@@ -154,8 +152,8 @@ def test_the_plan_picks_the_cheaper_configuration_per_batch():
     assert KernelConfig.candidates("sm_120") == (KernelConfig(),)
     hopper = chosen("sm_90", ALL_CASES)
     few = [hopper.pop(k) for k in ("kimi-tp8 small tree", "kimi-tp8 ddtree64 4k", "kimi-tp8 64 x N1 4k")]
-    assert few == ["wgmma64-few"] * 3, hopper
-    assert set(hopper.values()) == {"wgmma64-b64"}, hopper
+    assert few == ["split_keys+few"] * 3, hopper
+    assert set(hopper.values()) == {"blocks64"}, hopper
     blackwell_dc = chosen("sm_100")
     assert blackwell_dc["kimi-tp8 small tree"] == blackwell_dc["kimi-tp8 ddtree64 4k"] == "mma32", blackwell_dc
     assert all(v == "mma64" for k, v in blackwell_dc.items() if any(s in k for s in ("8k x8", "32k", "128k", "kimi-dp"))), (
@@ -225,7 +223,7 @@ def test_plans_with_long_requests_aligned_still_do_every_unit_once():
     gets a grid of its pieces."""
     from kdtree.bench import CASES
 
-    config = KernelConfig.blocks64()
+    config = KernelConfig.for_arch("sm_90a-blocks64")
     by_name = {c.name: c for c in CASES}
     for name, shares in (("kimi-tp8 mixed", 6.0), ("kimi-tp8 ddtree64 128k", 3.0)):
         cap = synthesize(by_name[name].spec(), reference=False)
@@ -253,9 +251,9 @@ def test_plans_with_long_requests_aligned_still_do_every_unit_once():
 
 def test_choose_plan_cuts_only_mixed_alike(monkeypatch):
     """Of the twelve bench cases on sm_90's candidates (with and without the H200's L2), only mixed takes the aligned
-    candidate: its 45,000-key request cut alike on 64-key blocks, the plan the cost model weighs cheapest (0.208 ms
+    candidate: its 45,000-key request cut alike on blocks64, the plan the cost model weighs cheapest (0.208 ms
     against 0.224 balanced, docs/history/bench/variants-aligned-h200.log); with no request long enough, or `aligned`=False,
-    it is the balanced plan on 64-key blocks again."""
+    it is the balanced plan on blocks64 again."""
     import kdtree.kernel.planner as planner
     from kdtree.bench import ALL_CASES
     from kdtree.kernel import choose_plan
@@ -268,7 +266,7 @@ def test_choose_plan_cuts_only_mixed_alike(monkeypatch):
         for l2 in (None, 60 << 20):
             p = choose_plan(args, H, 132, configs, l2_bytes=l2)
             if p.aligned:
-                assert p.config.wg_blocks64 and p.split, case.name
+                assert p.config.blocks64 and p.split, case.name
                 picked[case.name] = p
     assert sorted(picked) == ["kimi-tp8 mixed"]
     cap = synthesize(next(c for c in ALL_CASES if c.name == "kimi-tp8 mixed").spec(), reference=False)
@@ -276,7 +274,7 @@ def test_choose_plan_cuts_only_mixed_alike(monkeypatch):
     off = choose_plan(args, H, 132, configs, aligned=False)
     monkeypatch.setattr(planner, "ALIGN_SHARES", 1e9)
     p = choose_plan(args, H, 132, configs)
-    assert not p.aligned and p.config.wg_blocks64
+    assert not p.aligned and p.config.blocks64
     assert p.arrays["cta_unit_start"].tolist() == off.arrays["cta_unit_start"].tolist() and not off.aligned
     assert planner.estimated_cost(p) > planner.estimated_cost(picked["kimi-tp8 mixed"])
 
@@ -409,7 +407,7 @@ def test_graphed_replays_keep_what_their_kernels_read_alive():
 
 
 def test_few_row_units_are_weighed_by_the_body_that_runs_them():
-    """A few-row unit costs 0.8 of a split-key wgmma unit and 0.6 of a dims-split one (their measured ratios): each
+    """A few-row unit costs 0.8 of a split_keys wgmma unit and 0.6 of a dims_split one (their measured ratios): each
     body's plans balance its own weight, unless one is given."""
 
     from kdtree.bench import CASES
@@ -432,9 +430,9 @@ def test_a_split_key_configuration_must_be_the_4_stage_wgmma_body():
 
     base = KernelConfig.for_arch("sm_90")
     for bad in (dict(stages=3), dict(wg_pipe=1), dict(wgmma=False)):
-        with pytest.raises(ValueError, match="wg_split"):
+        with pytest.raises(ValueError, match="split_keys"):
             dataclasses.replace(base, **bad)
-    assert not dataclasses.replace(base, stages=3, wg_pipe=1, wg_split=False).wg_split
+    assert not dataclasses.replace(base, stages=3, wg_pipe=1, split_keys=False).split_keys
 
 
 def test_a_scripts_defines_become_switches():
@@ -460,20 +458,20 @@ def test_a_case_is_set_up_for_one_launch():
     assert run.args.tree_mask.device.type == "cpu"
 
 
-def test_64_key_block_schedule_needs_the_split_key_layout_and_no_few_row_tiles():
-    """KernelConfig.wg_blocks64 runs FlashMLA's schedule in the split-key body's four stages, and beside the
+def test_blocks64_needs_split_keys_and_no_few_row_tiles():
+    """KernelConfig.blocks64 runs its 64-key blocks in split_keys' four stages, and beside the
     few-row segment it spills: a configuration asking for either other layout is refused by name."""
     hopper = KernelConfig.for_arch("sm_90")
-    b64 = KernelConfig.blocks64()
-    assert b64.defines()["VMLA_WG_SEESAW64"] == 1 and hopper.defines()["VMLA_WG_SEESAW64"] == 0
-    assert b64 in KernelConfig.candidates("sm_90")  # the configuration the cost model picks for long batches
-    with pytest.raises(ValueError, match="wg_blocks64 needs wg_split and few_rows=0"):
-        dataclasses.replace(hopper, wg_blocks64=True)  # few-row tiles
-    with pytest.raises(ValueError, match="wg_blocks64 needs wg_split"):
-        dataclasses.replace(hopper.dims_split(), few_rows=0, wg_blocks64=True)
-    # KDTREE_KERNEL_TARGET=sm_90a-b64 runs it alone (compute-sanitizer, experiments), as sm_90a the split-key body
-    assert KernelConfig.for_arch("sm_90a-b64") == b64 and KernelConfig.candidates("sm_90a-b64") == (b64,)
-    assert KernelConfig.candidates("sm_90a") == (KernelConfig.for_arch("sm_90a"),) != (b64,)
+    blocks64 = KernelConfig.for_arch("sm_90a-blocks64")
+    assert blocks64.defines()["VMLA_BLOCKS64"] == 1 and hopper.defines()["VMLA_BLOCKS64"] == 0
+    assert blocks64 in KernelConfig.candidates("sm_90")  # the configuration the cost model picks for long batches
+    with pytest.raises(ValueError, match="blocks64 needs split_keys and few_rows=0"):
+        dataclasses.replace(hopper, blocks64=True)  # few-row tiles
+    with pytest.raises(ValueError, match="blocks64 needs split_keys"):
+        dataclasses.replace(hopper.dims_split(), few_rows=0, blocks64=True)
+    # KDTREE_KERNEL_TARGET=sm_90a-blocks64 runs it alone (compute-sanitizer, experiments), as sm_90a split_keys
+    assert KernelConfig.for_arch("sm_90a-blocks64") == blocks64 and KernelConfig.candidates("sm_90a-blocks64") == (blocks64,)
+    assert KernelConfig.candidates("sm_90a") == (KernelConfig.for_arch("sm_90a"),) != (blocks64,)
 
 
 def test_a_kernel_target_outside_the_known_names_is_refused(monkeypatch):
@@ -481,12 +479,12 @@ def test_a_kernel_target_outside_the_known_names_is_refused(monkeypatch):
     silent run of the default configuration."""
     from kdtree.kernel.config import TARGET_NAMES, configs_for, target_arch
 
-    monkeypatch.setenv("KDTREE_KERNEL_TARGET", "sm_90a-b64")
-    assert target_arch() == "sm_90a-b64" and configs_for(None) == (KernelConfig.blocks64(),)
-    monkeypatch.setenv("KDTREE_KERNEL_TARGET", "sm_90a-B64")
-    with pytest.raises(ValueError, match="KDTREE_KERNEL_TARGET='sm_90a-B64'"):
+    monkeypatch.setenv("KDTREE_KERNEL_TARGET", "sm_90a-blocks64")
+    assert target_arch() == "sm_90a-blocks64" and configs_for(None) == (KernelConfig.for_arch("sm_90a-blocks64"),)
+    monkeypatch.setenv("KDTREE_KERNEL_TARGET", "sm_90a-Blocks64")
+    with pytest.raises(ValueError, match="KDTREE_KERNEL_TARGET='sm_90a-Blocks64'"):
         configs_for(None)
-    assert {"sm_120", "sm_90", "sm_90a", "sm_90a-b64"} <= set(TARGET_NAMES)
+    assert {"sm_120", "sm_90", "sm_90a", "sm_90a-blocks64"} <= set(TARGET_NAMES)
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
@@ -507,7 +505,7 @@ def test_the_cost_is_the_slowest_blocks(arch):
             assert np.isclose(p.block_work.sum(), p.work), case.name
             visits = np.bincount([blk for blk, *_ in p.walk()], minlength=p.grid)
             assert (p.block_segments == visits).all(), case.name
-            # each segment rounded up to its body's step (a 64-key pair of blocks: 4 tiles; a split-key step: 2),
+            # each segment rounded up to its body's step (a 64-key pair of blocks: 4 tiles; a split_keys step: 2),
             # a few-row tile's not, x its tile's weight: summed over the kernel's walk
             pad = padded_units(config)
             a = {k: v.numpy() for k, v in p.arrays.items()}
@@ -581,7 +579,7 @@ def test_a_grid_of_one_row_tile_a_block():
         SynthSpec(preset="deepseek-v3-tp8", batch_size=2, prefix_lens=[2000, 2000], budget=256, seed=2), reference=False
     )
     args, H = marshal(cap), cap.meta.num_heads
-    config = next(c for c in KernelConfig.candidates("sm_90") if c.wg_blocks64)
+    config = next(c for c in KernelConfig.candidates("sm_90") if c.blocks64)
     spread = plan(args, H, 132, config, visible_keys=False)  # every tile over all its request's keys: equal tiles
     assert spread.row_tiles == 130 and spread.grid == 132 and spread.segments > 0
     assert (spread.block_segments == 2).sum() > 100  # most blocks work on two row tiles

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module", params=["default", "blocks64"])
 def path(request):
-    """The serving path with each KDTREE_BODY (on a GPU without 64-key blocks both are its default)."""
+    """The serving path with each KDTREE_BODY (on a GPU without blocks64 both are its default)."""
     from kdtree.serving import ServingPath
 
     return ServingPath(body=request.param)

@@ -137,7 +137,7 @@ def test_settings_from_the_environment():
         ({"KDTREE_EVERY": "0"}, "KDTREE_EVERY"),
         ({"KDTREE_CAPTURE_MAX_BYTES": "lots"}, "KDTREE_CAPTURE_MAX_BYTES"),
         ({"KDTREE_RANKS": "x"}, "KDTREE_RANKS"),
-        ({"KDTREE_BODY": "seesaw"}, "KDTREE_BODY"),
+        ({"KDTREE_BODY": "fastest"}, "KDTREE_BODY"),
     ]:
         with pytest.raises(SettingsError, match=name):
             Settings.from_env(env)
@@ -315,20 +315,20 @@ def test_padded_rows_from_the_page_table_leave_the_real_rows_alone():
 
 
 def test_the_serving_body_is_a_candidate_of_the_target():
-    """KDTREE_BODY picks among the target's own configurations: `blocks64` is Hopper's 64-key-block one; a
+    """KDTREE_BODY picks among the target's own configurations: `blocks64` is Hopper's blocks64 one; a
     target without one keeps its default and says why (the server logs it once and goes on)."""
     from kdtree.kernel import KernelConfig
     from kdtree.serving import serving_config
 
     hopper = KernelConfig.candidates("sm_90")
-    assert serving_config(hopper) == (hopper[0], None) and not hopper[0].wg_blocks64
+    assert serving_config(hopper) == (hopper[0], None) and not hopper[0].blocks64
     config, why = serving_config(hopper, "blocks64")
-    assert config.wg_blocks64 and config.wgmma and why is None and config in hopper
+    assert config.blocks64 and config.wgmma and why is None and config in hopper
     blackwell = KernelConfig.candidates("sm_120")
     config, why = serving_config(blackwell, "blocks64")
-    assert config == blackwell[0] and "64-key blocks" in why
-    with pytest.raises(ValueError, match="seesaw"):
-        serving_config(hopper, "seesaw")
+    assert config == blackwell[0] and "blocks64" in why
+    with pytest.raises(ValueError, match="fastest"):
+        serving_config(hopper, "fastest")
 
 
 # ----- the backend's step state, on stand-ins for the three SGLang modules it imports -----------------------------

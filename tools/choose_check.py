@@ -1,7 +1,7 @@
 """Does the cost model pick the fastest configuration? Each batch (bench cases by substring, and fuzz batches by
 seed) planned with every candidate of this GPU's target, each on the plan `choose_plan` would make with it alone
 (row tiles to their last visible key or over all keys, one tile a block over L2), and timed (median, L2 flushed),
-beside the one `choose_plan` picks (an aligned plan on 64-key blocks, "b64-al", beside that body's balanced
+beside the one `choose_plan` picks (an aligned plan on blocks64, "blocks64-aligned", beside that body's balanced
 plan); prints one line a batch and the geomean of the pick's time over the fastest, writes
 choose-check.json to $OUT.
 
@@ -22,10 +22,6 @@ from kdtree.kernel import KernelConfig, VerifyKernel, device_arch
 from kdtree.kernel.planner import choose_plan, estimated_cost
 from kdtree.marshal import marshal
 from kdtree.synth import synthesize
-
-
-def name_of(config: KernelConfig) -> str:
-    return "b64" if config.wg_blocks64 else "few" if config.few_rows else "nofew" if config.wgmma else f"mma{config.bm}"
 
 
 def median_ms(kern, run: bench.CaseLaunch) -> float:
@@ -53,12 +49,12 @@ def main():
         times = {}
         for c, kern in kerns.items():  # each configuration on the plan the cost model would run it with
             p = (pick if c == pick.config else choose_plan(args, H, kern.num_sms, (c,), l2_bytes=l2)).to("cuda")
-            times[name_of(c)] = median_ms(kern, bench.CaseLaunch(cap, p, dev, q, pool, *bench.launch_outputs(cap, p)))
+            times[c.body] = median_ms(kern, bench.CaseLaunch(cap, p, dev, q, pool, *bench.launch_outputs(cap, p)))
             if p.aligned:  # ... and that body's balanced plan, under its own name
-                times[name_of(c) + "-al"] = times[name_of(c)]
+                times[c.body + "-aligned"] = times[c.body]
                 p = choose_plan(args, H, kern.num_sms, (c,), l2_bytes=l2, aligned=False).to("cuda")
-                times[name_of(c)] = median_ms(kern, bench.CaseLaunch(cap, p, dev, q, pool, *bench.launch_outputs(cap, p)))
-        picked = name_of(pick.config) + ("-al" if pick.aligned else "")
+                times[c.body] = median_ms(kern, bench.CaseLaunch(cap, p, dev, q, pool, *bench.launch_outputs(cap, p)))
+        picked = pick.config.body + ("-aligned" if pick.aligned else "")
         fastest = min(times, key=times.get)
         ratios.append(times[picked] / times[fastest])
         rows[name] = {"times_ms": times, "picked": picked, "grid": pick.grid, "cost": estimated_cost(pick)}

@@ -1,4 +1,4 @@
-"""Where a 64-key step of the Hopper split-key loop spends its cycles, phase by phase: the kernel built with
+"""Where a 64-key step of the Hopper split_keys loop spends its cycles, phase by phase: the kernel built with
 VMLA_PHASES (kernels/verify_mla_hooks.cuh) has thread 0 of each warpgroup add clock64 deltas per phase; this
 prints cycles a step for each phase and warpgroup (summed over all blocks and steps of --reps launches, divided by
 the steps). The hook's clock reads slow the kernel (its launch time is printed beside the phases), so compare
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE for the kernel (repeatable)")
     a = ap.parse_args()
     if device_arch() != "sm_90":
-        raise SystemExit(f"the split-key loop is the Hopper body's (sm_90); this GPU is {device_arch()}")
+        raise SystemExit(f"the split_keys loop is the Hopper body's (sm_90); this GPU is {device_arch()}")
     config = KernelConfig.for_arch("sm_90a").with_defines([*a.define, "VMLA_PHASES=1"])
     kern = VerifyKernel.get(config)
     counters = kern.cupy.ndarray((2, 9), dtype=kern.cupy.uint64, memptr=kern.module.get_global("vmla_phases"))

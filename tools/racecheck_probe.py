@@ -1,5 +1,5 @@
-"""compute-sanitizer's racecheck on small, correct programs of two warpgroups shaped like the 64-key-block body's
-hand-overs (verify_segment_seesaw64: one warpgroup writes shared words and arrives at a named barrier, the other
+"""compute-sanitizer's racecheck on small, correct programs of two warpgroups shaped like the blocks64 body's
+hand-overs (verify_segment_blocks64: one warpgroup writes shared words and arrives at a named barrier, the other
 syncs on it and reads them), and on a real race as the control: which hazards it reports on code that has none
 (docs/kernel-design.md, "racecheck on the 64-key-block body"). Each program runs under racecheck in its own
 process; the report lines name the accesses by line of SOURCE (line 1 is the empty line the string opens with).
@@ -8,11 +8,11 @@ process; the report lines name the accesses by line of SOURCE (line 1 is the emp
                  warpgroup 1 bar.sync 2 before writing again (ordered by PTX's barrier semantics)
   handover_sync  the same loop, then __syncthreads, warpgroup 1 writes, __syncthreads, warpgroup 0 reads
   unsynced       warpgroup 1 writes, warpgroup 0 reads, no barrier between (a real race: the control)
-  seesaw         the body's pattern: per iteration five one-way hand-overs (barriers 1-5, each arrived at by one
+  blocks64       the body's pattern: per iteration five one-way hand-overs (barriers 1-5, each arrived at by one
                  warpgroup and synced on by the other), warpgroup 0's scale read by warpgroup 1 and warpgroup 1's by
                  warpgroup 0; then its epilogue: __syncthreads, each warpgroup writes its row sums over the scales'
                  words, __syncthreads, threads 0-31 of each warpgroup read both
-  seesaw_last    the same with the body's last iteration, which skips barriers 4 and 5 (no next block)
+  blocks64_last  the same with the body's last iteration, which skips barriers 4 and 5 (no next block)
 
 Usage: python3 tools/racecheck_probe.py   (needs a GPU, CuPy and compute-sanitizer; prints hazards per program)
 """
@@ -27,7 +27,7 @@ extern "C" __global__ void probe(float* out, int iters, int kind) {
   __shared__ float buf[64];
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   float acc = 0.f;
-  if (kind >= 3) {  // seesaw, seesaw_last
+  if (kind >= 3) {  // blocks64, blocks64_last
     float* s0 = buf;
     float* s1 = buf + 32;
     for (int it = 0; it < iters; ++it) {
@@ -37,7 +37,7 @@ extern "C" __global__ void probe(float* out, int iters, int kind) {
         asm volatile("bar.sync 2, 256;\n" ::: "memory");
         if (t < 32) acc += s1[t];
         asm volatile("bar.arrive 3, 256;\n" ::: "memory");
-        if (kind == 3 || it + 1 < iters) {  // (seesaw_last: the last iteration has no next block to wait for)
+        if (kind == 3 || it + 1 < iters) {  // (blocks64_last: the last iteration has no next block to wait for)
           asm volatile("bar.sync 4, 256;\n" ::: "memory");
           asm volatile("bar.arrive 5, 256;\n" ::: "memory");
         }
@@ -81,7 +81,7 @@ extern "C" __global__ void probe(float* out, int iters, int kind) {
   out[blockIdx.x * blockDim.x + tid] = acc;
 }
 """
-KINDS = ("handover", "handover_sync", "unsynced", "seesaw", "seesaw_last")
+KINDS = ("handover", "handover_sync", "unsynced", "blocks64", "blocks64_last")
 
 
 def run(kind: int) -> None:

@@ -51,7 +51,7 @@ def main() -> None:
             f"{k} {hashlib.sha256(v.encode()).hexdigest()[:16]}" for k, v in sorted(sass(cubin, a.nvdisasm).items())
         )
         print(
-            f"{arch:7s} bm{config.bm:<3d} wgmma={int(config.wgmma)} few_rows={config.few_rows:<3d} blocks64={int(config.wg_blocks64)} {digests}"
+            f"{arch:7s} bm{config.bm:<3d} wgmma={int(config.wgmma)} few_rows={config.few_rows:<3d} blocks64={int(config.blocks64)} {digests}"
         )
 
 

@@ -37,7 +37,7 @@ def summarize(tr: np.ndarray, tiles: list[list[int]]) -> dict:
         o = 0.0
         for s, n in enumerate(segs[:6]):
             e = us[c, 1 + 5 * s : 6 + 5 * s]
-            if tr[c, 2 + 5 * s]:  # (the 64-key-block segment stamps no "Q and slot ids landed")
+            if tr[c, 2 + 5 * s]:  # (the blocks64 segment stamps no "Q and slot ids landed")
                 seg["prologue"].append(e[1] - e[0])
                 seg["first_tile"].append(e[2] - e[1])
             if n > 1:
@@ -65,13 +65,13 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--define", action="append", default=[], help="NAME=VALUE for the kernel (repeatable)")
     ap.add_argument("--segment-units", type=float, nargs="*", default=[None], help="plan(segment_units=...) values to trace")
-    ap.add_argument("--blocks64", action="store_true", help="FlashMLA's schedule on 64-key blocks (Hopper; no few-row tiles)")
+    ap.add_argument("--blocks64", action="store_true", help="the blocks64 body alone (Hopper; no few-row tiles)")
     ap.add_argument("--align-shares", type=float, default=None, help="plan(align_shares=...): long requests' tiles cut alike")
     a = ap.parse_args()
     cases = bench.select_cases(a.cases, probes=True)
     base = KernelConfig.for_arch(device_arch())
     if a.blocks64:
-        base = KernelConfig.blocks64()
+        base = KernelConfig.for_arch("sm_90a-blocks64")
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     max_grid = torch.cuda.get_device_properties(0).multi_processor_count * base.blocks_per_sm  # plan()'s largest grid
     config = base.with_defines([*a.define, f"VMLA_TRACE={max_grid}"])

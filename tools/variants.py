@@ -22,6 +22,7 @@ from kdtree.marshal import marshal  # noqa: E402
 from kdtree.synth import synthesize  # noqa: E402
 
 BM64 = dict(bm=64, q_smem=True, rgroups=2, khalves=1)
+BLOCKS64 = KernelConfig.for_arch("sm_90a-blocks64")  # the blocks64 body alone (no few-row tiles beside it)
 # VMLA_SKIP_* sets: variant suffix -> the parts left out (the wgmma body also has the partial-score exchange)
 SKIPS = {
     "qk": ["QK"],
@@ -65,41 +66,38 @@ VARIANTS = {
     "bm64_16warps": (KernelConfig(**(BM64 | dict(warps=16, khalves=2))), {}),  # 128 registers each: spills
     # the tree mask read key by key (the bit-equality reference)
     "no_fast_mask": (KernelConfig(**BM64, extra=(("VMLA_FAST_MASK", 0),)), {}),
-    # FlashMLA's schedule on 64-key blocks (verify_segment_seesaw64; no few-row tiles beside it)
-    "wgmma_seesaw64": (KernelConfig.blocks64(), {}),
+    # blocks64: FlashMLA's schedule on 64-key blocks (verify_segment_blocks64; no few-row tiles beside it)
+    "blocks64": (BLOCKS64, {}),
     # ... with the row tiles of requests whose tiles are each worth >= n blocks' shares cut at common key offsets, so
     # that their blocks read each key together (plan(align_shares=n), aligned_split)
-    **{f"wgmma_seesaw64_aligned{n}": (KernelConfig.blocks64(), {"align_shares": float(n)}) for n in (3, 6)},
-    **{
-        f"wgmma_seesaw64_aligned6_seg{m}": (KernelConfig.blocks64(), {"align_shares": 6.0, "segment_units": float(m)})
-        for m in (8, 10, 12)
-    },
-    # ... placed with a segment weighed n units (the cost model's segment is 10/9 / 0.82 = 1.35x a split-key one in its
+    **{f"blocks64_aligned{n}": (BLOCKS64, {"align_shares": float(n)}) for n in (3, 6)},
+    **{f"blocks64_aligned6_seg{m}": (BLOCKS64, {"align_shares": 6.0, "segment_units": float(m)}) for m in (8, 10, 12)},
+    # ... placed with a segment weighed n units (the cost model's segment is 10/9 / 0.82 = 1.35x a split_keys one in its
     # own units), a short row tile's SHORT_SEGMENT_UNITS more (plan's default)
     **{
-        f"wgmma_seesaw64_seg{n}": (
-            KernelConfig.blocks64(),
+        f"blocks64_seg{n}": (
+            BLOCKS64,
             {"segment_units": float(n)},
         )
         for n in (6, 7, 8, 10, 12, 14, 20)
     },
     # ... and with a short row tile's segment (at most SHORT_TILE_UNITS units) weighed n units more than a segment
     # (default SHORT_SEGMENT_UNITS; 0: as any other)
-    **{f"wgmma_seesaw64_short{n}": (KernelConfig.blocks64(), {"short_segment_units": float(n)}) for n in (0, 4, 6, 8, 12)},
+    **{f"blocks64_short{n}": (BLOCKS64, {"short_segment_units": float(n)}) for n in (0, 4, 6, 8, 12)},
     **{
-        f"wgmma_seesaw64_seg{n}_short{m}": (KernelConfig.blocks64(), {"segment_units": float(n), "short_segment_units": float(m)})
+        f"blocks64_seg{n}_short{m}": (BLOCKS64, {"segment_units": float(n), "short_segment_units": float(m)})
         for n, m in ((6, 8), (7, 8))
     },
     **{f"wgmma_short{n}": (KernelConfig.for_arch("sm_90a"), {"short_segment_units": float(n)}) for n in (0, 4, 8)},
     "bm32_short0": (KernelConfig(), {"short_segment_units": 0.0}),
     # k whole row tiles a block (the grid cut to ceil(row tiles / k)) instead of the batch balanced over every block;
     # equal tiles (each over all its request's keys), which such a grid runs unsplit; beside the same over every block
-    "wgmma_seesaw64_all_keys": (
-        KernelConfig.blocks64(),
+    "blocks64_all_keys": (
+        BLOCKS64,
         {"visible_keys": False},
     ),
-    "wgmma_seesaw64_tile_a_block": (
-        KernelConfig.blocks64(),
+    "blocks64_tile_a_block": (
+        BLOCKS64,
         {"_tiles_a_block": 1, "visible_keys": False},
     ),
     "bm32_two_tiles_a_block": (KernelConfig(), {"_tiles_a_block": 2, "visible_keys": False}),
@@ -115,10 +113,10 @@ VARIANTS = {
     "bm32_s4": (KernelConfig(stages=4), {}),
     # the Hopper path: warpgroup MMAs from swizzled shared memory (sm_90a)
     "wgmma": (KernelConfig.for_arch("sm_90a"), {}),
-    # the warpgroups splitting a 32-key tile's dims (partial scores exchanged), pipelined: the body before split keys
-    "wgmma_dims": (KernelConfig.for_arch("sm_90a").dims_split(), {}),
-    "wgmma_nopipe": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=2, wg_pipe=0, wg_split=False), {}),
-    "wgmma_s3": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=0, wg_split=False), {}),
+    # the warpgroups splitting a 32-key tile's dims (partial scores exchanged), pipelined: dims_split, the body before split_keys
+    "wgmma_dims_split": (KernelConfig.for_arch("sm_90a").dims_split(), {}),
+    "wgmma_nopipe": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=2, wg_pipe=0, split_keys=False), {}),
+    "wgmma_s3": (dataclasses.replace(KernelConfig.for_arch("sm_90a"), stages=3, wg_pipe=0, split_keys=False), {}),
     # the merge after a plain launch instead of as a programmatic dependent; 128 or 32 threads a merge row
     "wgmma_nopdl": (KernelConfig.for_arch("sm_90a"), {"_pdl": False}),
     "wgmma_merge128": (KernelConfig.for_arch("sm_90a"), {"_merge_threads": 128}),
@@ -151,9 +149,9 @@ VARIANTS = {
             ("bm32", KernelConfig(), SKIPS),
             ("bm64_regs", KernelConfig.rows64_in_registers(), SKIPS),
             ("wgmma", KernelConfig.for_arch("sm_90a"), SKIPS | {"load_mma": ["LOAD", "QK", "PV"]}),
-            ("wgmma_seesaw64", KernelConfig.blocks64(), {"load": ["LOAD"]}),  # (its segment has only this hook)
+            ("blocks64", BLOCKS64, {"load": ["LOAD"]}),  # (its segment has only this hook)
             (
-                "wgmma_dims",
+                "wgmma_dims_split",
                 KernelConfig.for_arch("sm_90a").dims_split(),
                 WGMMA_SKIPS,
             ),
@@ -284,7 +282,7 @@ def time_case(case, builds, timings: int) -> dict:
                 "work": p.work,
                 "segments": p.segments,
                 "fused": p.fused_merge,
-                "body": f"{p.config.bm}{'/b64' if p.config.wg_blocks64 else ''}{'+few' if p.config.few_row_limit else ''}",
+                "body": p.config.body,
             }
             fns[name] = fn
         except Exception as e:  # noqa: BLE001

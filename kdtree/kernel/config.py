@@ -78,11 +78,11 @@ class KernelConfig:
     kpasses: int = 1  # QK of a warp's keys in this many passes (fewer live score registers)
     blocks_per_sm: int = 1  # resident blocks per SM: the persistent grid is this many per SM
     wgmma: bool = False  # the Hopper segment (warpgroup MMAs from swizzled shared memory; sm_90a, BM 64)
-    wg_pipe: int = 0  # wgmma segment: 1 = QK of tile t and P V of tile t-1 in flight together (3 stages)
-    wg_split: bool = False  # wgmma segment: each warpgroup scores its own tile of a 64-key step over all dims
-    # (no partial-score exchange; 4 stages, wg_pipe 0)
-    wg_blocks64: bool = False  # split-key layout: FlashMLA's schedule on 64-key blocks (verify_segment_seesaw64;
-    # QK at N 64, the running max passed between the warpgroups, no few-row tiles)
+    wg_pipe: int = 0  # dims_split body: 1 = QK of tile t and P V of tile t-1 in flight together (3 stages)
+    split_keys: bool = False  # the split_keys body (wgmma; False: dims_split): each warpgroup scores its own tile of
+    # a 64-key step over all dims (no partial-score exchange; 4 stages, wg_pipe 0)
+    blocks64: bool = False  # the blocks64 body (split_keys layout): FlashMLA's schedule on 64-key blocks
+    # (verify_segment_blocks64; QK at N 64, the running max passed between the warpgroups, no few-row tiles)
     few_rows: int = 0  # wgmma segment: row tiles of at most this many rows (<= 16) run the mma.sync few-row
     # segment, at few_row_weight(config) of a unit (0: every tile is a 64-row wgmma tile)
     extra: tuple[tuple[str, int], ...] = ()  # more -D switches (timing experiments)
@@ -93,15 +93,15 @@ class KernelConfig:
         return dict(self.extra).get("VMLA_S_PAD", 8)
 
     def __post_init__(self) -> None:
-        if self.wg_split and not (self.wgmma and self.stages == 4 and self.wg_pipe == 0):
+        if self.split_keys and not (self.wgmma and self.stages == 4 and self.wg_pipe == 0):
             raise ValueError(
-                f"KernelConfig.wg_split needs the wgmma body with stages=4 and wg_pipe=0 "
+                f"KernelConfig.split_keys needs the wgmma body with stages=4 and wg_pipe=0 "
                 f"(got wgmma={self.wgmma}, stages={self.stages}, wg_pipe={self.wg_pipe})"
             )
-        if self.wg_blocks64 and not (self.wg_split and self.few_rows == 0):
+        if self.blocks64 and not (self.split_keys and self.few_rows == 0):
             raise ValueError(
-                f"KernelConfig.wg_blocks64 needs wg_split and few_rows=0 (beside the few-row segment it spills; got "
-                f"wg_split={self.wg_split}, few_rows={self.few_rows})"
+                f"KernelConfig.blocks64 needs split_keys and few_rows=0 (beside the few-row segment it spills; got "
+                f"split_keys={self.split_keys}, few_rows={self.few_rows})"
             )
 
     @classmethod
@@ -112,9 +112,9 @@ class KernelConfig:
         shared memory, which halves the pool bytes each block pulls from L2 per FLOP (v2 measured the
         32-row kernel L2-bound on an H200)."""
         if arch in ("sm_90", "sm_90a"):
-            return cls(bm=64, rgroups=2, khalves=1, q_smem=True, wgmma=True, stages=4, wg_split=True, few_rows=16)
-        if arch == "sm_90a-b64":
-            return cls.blocks64()
+            return cls(bm=64, rgroups=2, khalves=1, q_smem=True, wgmma=True, stages=4, split_keys=True, few_rows=16)
+        if arch == "sm_90a-blocks64":  # the blocks64 body alone (no few-row tiles beside it)
+            return dataclasses.replace(cls.for_arch("sm_90a"), few_rows=0, blocks64=True)
         if ARCH_LIMITS.get(arch, {}).get("smem_per_block", 0) >= 200_000:
             return cls(bm=64, rgroups=2, khalves=1, q_smem=True)
         return cls()
@@ -123,18 +123,17 @@ class KernelConfig:
     def candidates(cls, arch: str) -> tuple["KernelConfig", ...]:
         """The configurations `choose_plan` picks from on this target, the default first: parts with ~227 KB
         also have the 32-row kernel, which wins on small batches of short trees (fewer padding rows); on Hopper
-        FlashMLA's schedule on 64-key blocks (the long batches: ~0.82 of a split-key unit, but each segment costs
-        more and it has no few-row tiles) and the split-key body without few-row tiles (a batch whose row tiles
-        fill the grid one a block, such as 32k x4, would otherwise be split everywhere to balance the cheaper
-        tiles).
-        "sm_90a" names the wgmma segment alone and "sm_90a-b64" FlashMLA's schedule on 64-key blocks alone
-        (KDTREE_KERNEL_TARGET: tests, compute-sanitizer and experiments)."""
+        blocks64 (the long batches: ~0.82 of a split_keys unit, but each segment costs more and it has no few-row
+        tiles) and split_keys without few-row tiles (a batch whose row tiles fill the grid one a block, such as
+        32k x4, would otherwise be split everywhere to balance the cheaper tiles).
+        "sm_90a" names the split_keys body with few-row tiles alone and "sm_90a-blocks64" the blocks64 body alone
+        (KDTREE_KERNEL_TARGET, `kdtree bench --target`: tests, compute-sanitizer, tools and experiments)."""
         first = cls.for_arch(arch)
-        if first == cls() or arch in ("sm_90a", "sm_90a-b64"):
+        if first == cls() or arch in ("sm_90a", "sm_90a-blocks64"):
             return (first,)
         if first.few_rows:
             nofew = dataclasses.replace(first, few_rows=0)
-            return (first, dataclasses.replace(nofew, wg_blocks64=True), nofew, cls())
+            return (first, dataclasses.replace(nofew, blocks64=True), nofew, cls())
         return (first, cls())
 
     def defines(self) -> dict[str, int]:
@@ -151,8 +150,8 @@ class KernelConfig:
             "VMLA_BLOCKS_PER_SM": self.blocks_per_sm,
             "VMLA_WGMMA": int(self.wgmma),
             "VMLA_WG_PIPE": self.wg_pipe,
-            "VMLA_WG_SPLIT_KEYS": int(self.wg_split),
-            "VMLA_WG_SEESAW64": int(self.wg_blocks64),
+            "VMLA_SPLIT_KEYS": int(self.split_keys),
+            "VMLA_BLOCKS64": int(self.blocks64),
             "VMLA_FEW_ROWS": self.few_rows,
             "VMLA_FUSED_MERGE_SEGS": FUSED_MERGE_SEGS,  # the plan's bound, so the two cannot disagree
             "VMLA_SMEM_BYTES": self.smem_bytes,  # checked against the kernel's own size by a static_assert
@@ -175,16 +174,19 @@ class KernelConfig:
         pool row serves 64 rows instead of 32 (docs/kernel-design.md, "The two numbers")."""
         return cls(bm=64, bn=16, stages=4, dslices=4, rgroups=2, khalves=1, extra=(("VMLA_S_PAD", 0),))
 
-    @classmethod
-    def blocks64(cls) -> "KernelConfig":
-        """FlashMLA's schedule on 64-key blocks alone (sm_90a, no few-row tiles): the Hopper candidate the cost
-        model picks for long batches, for scripts that time or trace it on every batch."""
-        return dataclasses.replace(cls.for_arch("sm_90a"), few_rows=0, wg_blocks64=True)
+    @property
+    def body(self) -> str:
+        """The segment body's one name (plans, reports, tools' labels): `mma32`/`mma64` (mma.sync at BM rows), the
+        wgmma bodies `dims_split`, `split_keys` and `blocks64`, with `+few` where few-row tiles run beside it."""
+        if not self.wgmma:
+            return f"mma{self.bm}"
+        name = "blocks64" if self.blocks64 else "split_keys" if self.split_keys else "dims_split"
+        return name + ("+few" if self.few_rows else "")
 
     def dims_split(self) -> "KernelConfig":
-        """The same wgmma configuration with the warpgroups splitting a tile's dims (pipelined, 3 stages): the loop
-        the split-key one replaced, kept as its reference."""
-        return dataclasses.replace(self, stages=3, wg_pipe=1, wg_split=False)
+        """The same wgmma configuration on the dims_split body (the warpgroups splitting a tile's dims, pipelined,
+        3 stages): the loop split_keys replaced, kept as its reference."""
+        return dataclasses.replace(self, stages=3, wg_pipe=1, split_keys=False)
 
     def in_unit_order(self) -> "KernelConfig":
         """The same configuration built to run each block's segments in unit order (VMLA_LAST_SEGMENT_FIRST=0): the
@@ -211,10 +213,10 @@ class KernelConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory of verify_mla_fwd: sizeof(Smem) in the .cu."""
         if self.wgmma:  # verify_mla_wgmma.cuh: Q and the stages as unpadded swizzled rows, two P tiles, two
-            # partial-score buffers (split keys: two rows of row statistics), the slot-id ring, a flag; + 1024 B to
+            # partial-score buffers (split_keys: two rows of row statistics), the slot-id ring, a flag; + 1024 B to
             # align the atoms
-            scores = 2 * 64 * 2 * 4 if self.wg_split else 2 * 64 * (self.bn + 8) * 4
-            ring = 5 if self.wg_split else 2 * self.stages
+            scores = 2 * 64 * 2 * 4 if self.split_keys else 2 * 64 * (self.bn + 8) * 4
+            ring = 5 if self.split_keys else 2 * self.stages
             return 64 * 576 * 2 + self.stages * self.bn * 576 * 2 + 2 * 64 * self.bn * 2 + scores + ring * self.bn * 4 + 16 + 1024
         row = (576 + 8) * 2  # a pool row or Q row, padded by 16 B
         q = self.bm * row if self.q_smem else 0
@@ -231,8 +233,8 @@ def device_arch() -> str:
     return f"sm_{major}{minor}"
 
 
-# What $KDTREE_KERNEL_TARGET may name: a target, or a Hopper body alone (`KernelConfig.candidates`)
-TARGET_NAMES = (*ARCH_LIMITS, "sm_90a-b64")
+# What $KDTREE_KERNEL_TARGET may name: a target, or the blocks64 body alone (`KernelConfig.candidates`)
+TARGET_NAMES = (*ARCH_LIMITS, "sm_90a-blocks64")
 
 
 def target_arch() -> str:

@@ -89,9 +89,105 @@ def launch_dependent(fn, grid: int, block: int, args: tuple, stream: int) -> Non
         raise RuntimeError(f"cuLaunchKernelEx({getattr(fn, 'name', fn)}) failed: CUresult {err}")
 
 
+# ----- the kernels' parameters: filled here, for every launch --------------------------------------
+class FwdParams(ctypes.Structure):
+    """verify_mla_fwd's parameters, member for member (kernels/verify_mla_params.cuh, VMLA_FWD_PARAMS: device
+    pointers as uint64); tests/test_params.py checks this layout against the device's."""
+
+    _fields_ = [
+        ("q", ctypes.c_uint64),
+        ("kv_buffer", ctypes.c_uint64),
+        ("qo_indptr", ctypes.c_uint64),
+        ("kv_indptr", ctypes.c_uint64),
+        ("kv_indices", ctypes.c_uint64),
+        ("prefix_lens", ctypes.c_uint64),
+        ("tree_mask", ctypes.c_uint64),
+        ("mask_words", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32),
+        ("sm_scale", ctypes.c_float),
+        ("logit_cap", ctypes.c_float),
+        ("o", ctypes.c_uint64),
+        ("lse", ctypes.c_uint64),
+        *((name, ctypes.c_uint64) for name in FWD_ARRAYS),  # the plan's arrays
+        ("part_o", ctypes.c_uint64),
+        ("part_lse", ctypes.c_uint64),
+        ("rt_counter", ctypes.c_uint64),
+    ]
+
+
+class MergeParams(ctypes.Structure):
+    """verify_mla_merge's parameters (kernels/verify_mla_params.cuh, VMLA_MERGE_PARAMS)."""
+
+    _fields_ = [
+        ("row_merge", ctypes.c_uint64),
+        ("part_o", ctypes.c_uint64),
+        ("part_lse", ctypes.c_uint64),
+        ("o", ctypes.c_uint64),
+        ("lse", ctypes.c_uint64),
+    ]
+
+
+def fwd_params(
+    p: LaunchPlan,
+    args: VerifyArgs,
+    q: torch.Tensor,
+    kv_buffer: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor | None,
+    ws: Workspace,
+) -> FwdParams:
+    """verify_mla_fwd's parameters for plan `p` (everything on the device; lse and, without the fused merge, the
+    merge counters may be None: null)."""
+    return FwdParams(
+        q=_address(q),
+        kv_buffer=_address(kv_buffer),
+        qo_indptr=_address(args.qo_indptr),
+        kv_indptr=_address(args.combined_kv_indptr),
+        kv_indices=_address(args.combined_kv_indices),
+        prefix_lens=_address(args.prefix_lens),
+        tree_mask=_address(args.tree_mask),
+        mask_words=p.mask_words,
+        num_heads=p.num_heads,
+        sm_scale=args.sm_scale,
+        logit_cap=args.logit_cap,
+        o=_address(o),
+        lse=_address(lse),
+        **{name: _address(p.arrays[name]) for name in FWD_ARRAYS},
+        part_o=_address(ws.part_o),
+        part_lse=_address(ws.part_lse),
+        rt_counter=_address(ws.rt_counter if p.fused_merge else None),
+    )
+
+
+def merge_params(p: LaunchPlan, o: torch.Tensor, lse: torch.Tensor | None, ws: Workspace) -> MergeParams:
+    """verify_mla_merge's parameters for plan `p`."""
+    return MergeParams(
+        row_merge=_address(p.arrays["row_merge"]),
+        part_o=_address(ws.part_o),
+        part_lse=_address(ws.part_lse),
+        o=_address(o),
+        lse=_address(lse),
+    )
+
+
+_NUMPY = {ctypes.c_uint64: np.uint64, ctypes.c_int32: np.int32, ctypes.c_float: np.float32}
+
+
+def kernel_args(params: ctypes.Structure) -> tuple:
+    """A parameter struct's members in order, as the kernel's arguments (np.uint64, np.int32, np.float32: CuPy and
+    `launch_dependent` pass each by its own pointer; the driver places them at the struct's offsets, which
+    tests/test_params.py checks are the kernel's)."""
+    return tuple(_NUMPY[t](getattr(params, name)) for name, t in params._fields_)
+
+
+def _address(t: torch.Tensor | None) -> int:
+    """A tensor's device address (0 for None)."""
+    return 0 if t is None else t.data_ptr()
+
+
 def device_ptr(t: torch.Tensor | None) -> np.uint64:
     """A tensor's device address as a CuPy kernel argument (0 for None)."""
-    return np.uint64(0 if t is None else t.data_ptr())
+    return np.uint64(_address(t))
 
 
 # ----- CuPy JIT ----------------------------------------------------------------------------------
@@ -228,42 +324,16 @@ class VerifyKernel:
     ) -> None:
         """Enqueue the kernel(s) on torch's current stream. Everything (args, plan arrays, workspace) must
         already be on the GPU: no allocation, no copy, no sync - graph-capturable."""
-        i32, f32 = np.int32, np.float32
-        pa = p.arrays
         _, fwd, merge = self._fns[p.config]
         with self.cupy_stream(torch.cuda.current_stream()):
             fwd(
                 (p.grid, 1, 1),
                 (p.config.threads, 1, 1),
-                (
-                    device_ptr(q),
-                    device_ptr(kv_buffer),
-                    device_ptr(args.qo_indptr),
-                    device_ptr(args.combined_kv_indptr),
-                    device_ptr(args.combined_kv_indices),
-                    device_ptr(args.prefix_lens),
-                    device_ptr(args.tree_mask),
-                    i32(p.mask_words),
-                    i32(p.num_heads),
-                    f32(args.sm_scale),
-                    f32(args.logit_cap),
-                    device_ptr(o),
-                    device_ptr(lse),
-                    *(device_ptr(pa[name]) for name in FWD_ARRAYS),
-                    device_ptr(ws.part_o),
-                    device_ptr(ws.part_lse),
-                    device_ptr(ws.rt_counter if p.fused_merge else None),
-                ),
+                kernel_args(fwd_params(p, args, q, kv_buffer, o, lse, ws)),
                 shared_mem=p.config.smem_bytes,
             )
             if p.split and not p.fused_merge:
-                merge_args = (
-                    device_ptr(pa["row_merge"]),
-                    device_ptr(ws.part_o),
-                    device_ptr(ws.part_lse),
-                    device_ptr(o),
-                    device_ptr(lse),
-                )
+                merge_args = kernel_args(merge_params(p, o, lse, ws))
                 if self.pdl:  # its blocks start during the forward kernel's last wave (no launch gap)
                     launch_dependent(merge, p.total_rows, self.merge_threads, merge_args, torch.cuda.current_stream().cuda_stream)
                 else:

@@ -25,7 +25,7 @@ class KernelResources:
     threads: int
     bm: int = 0  # the configuration's rows per block
     few_rows: int = 0  # the configuration's few-row tiles (wgmma segment)
-    blocks64: bool = False  # the configuration runs FlashMLA's schedule on 64-key blocks (wgmma segment)
+    body: str = ""  # the configuration's segment body (KernelConfig.body)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -36,7 +36,7 @@ class KernelResources:
         smem = self.static_smem + self.dynamic_smem
         verdict = "ok" if self.ok else "FAIL: " + "; ".join(self.problems)
         return (
-            f"{self.arch:7s} {'bm' + str(self.bm) + (f'+f{self.few_rows}' if self.few_rows else '') + ('/b64' if self.blocks64 else ''):8s} {self.name:18s} regs {self.registers:3d}  spill st/ld {self.spill_stores}/{self.spill_loads} B  "
+            f"{self.arch:7s} {self.body:14s} {self.name:18s} regs {self.registers:3d}  spill st/ld {self.spill_stores}/{self.spill_loads} B  "
             f"stack {self.stack_bytes} B  smem {smem:,} B ({self.static_smem:,} static)  {self.threads} threads  {verdict}"
         )
 
@@ -152,7 +152,7 @@ def parse_ptxas(log: str, arch: str, config: KernelConfig) -> list[KernelResourc
             threads=config.threads if fwd else 128,
             bm=config.bm,
             few_rows=config.few_row_limit,
-            blocks64=config.wg_blocks64,
+            body=config.body,
         )
         limits = ARCH_LIMITS.get(arch)
         # ptxas serialised this function's warpgroup MMAs (every wgmma waited for before the next: on the H200 a

@@ -14,6 +14,7 @@ import torch
 from kdtree.kernel.config import FUSED_MERGE_SEGS, POOL_ROW_BYTES, KernelConfig
 from kdtree.marshal import VerifyArgs
 
+# The plan arrays verify_mla_fwd takes, in its parameter order (kdtree.kernel.launch.FwdParams)
 FWD_ARRAYS = ("cta_unit_start", "cta_first_rt", "rt_unit_start", "rt_request", "rt_row0", "rt_first_cta", "rt_seg_base")
 # (+ verify_mla_merge's per-row (first partial line, partials), [T * H, 2])
 PLAN_ARRAYS = FWD_ARRAYS + ("row_merge",)
@@ -81,19 +82,19 @@ class LaunchPlan:
 
 
 # What a block pays for each segment it works on beyond its tiles, in units (docs/kernel-design.md, "Stream-K
-# plan"): an H200 trace of the dims-split wgmma segment (tools/trace_case.py) put 6.4 us of a segment in its
+# plan"): an H200 trace of the dims_split wgmma body (tools/trace_case.py) put 6.4 us of a segment in its
 # prologue, first tile's wait and store, against 1.9-2.0 us a tile (3.3 units); timed side by side, 4 to 6 did
-# best. A split-key unit is 1.38 us (6.4 us: 4.6 units); 6 against 5 on it: mixed -5 %, small tree +4 %, the
+# best. A split_keys unit is 1.38 us (6.4 us: 4.6 units); 6 against 5 on it: mixed -5 %, small tree +4 %, the
 # geomean of the twelve bench cases' times 0.3 % lower, so 5 stays (docs/history/kernel-notes.md, "After v16").
 SEGMENT_OVERHEAD_UNITS = 5.0
 # A unit of a few-row tile (at most KernelConfig.few_rows rows: the mma.sync segment of the wgmma body) in units
 # of a 64-row wgmma unit (docs/kernel-design.md, "The few-row segment"): ~0.585 of a unit of the body whose
 # warpgroups split a tile's dims (timed on the H200 at weights 0.3-0.7: 0.6), which a fit over the twelve bench
-# cases puts at 1.36 units of the split-key body: 0.8 of one of those.
+# cases puts at 1.36 units of the split_keys body: 0.8 of one of those.
 FEW_UNIT_COST = 0.8
 FEW_UNIT_COST_DIMS = 0.6
 # A row tile of at most SHORT_TILE_UNITS key tiles (512 keys at 32-key tiles) is short: its segment weighs
-# SHORT_SEGMENT_UNITS more. An H200 trace of mixed's short requests on 64-key blocks put a segment of <= 4 units at
+# SHORT_SEGMENT_UNITS more. An H200 trace of mixed's short requests on blocks64 put a segment of <= 4 units at
 # ~14 us, ~4 us above what its units and a long segment's overhead say (tools/trace_case.py --blocks64,
 # docs/history/bench/trace-blocks64-h200.*); 4-8 units timed alike on mixed, the one bench case with short tiles
 # (docs/history/bench/variants-short-segments-h200.log; docs/history/kernel-notes.md, v24).
@@ -103,7 +104,7 @@ SHORT_SEGMENT_UNITS = 6.0
 
 def few_row_weight(config: KernelConfig) -> float:
     """What a few-row unit costs in units of the configuration's 64-row body."""
-    return FEW_UNIT_COST if config.wg_split else FEW_UNIT_COST_DIMS
+    return FEW_UNIT_COST if config.split_keys else FEW_UNIT_COST_DIMS
 
 
 def last_visible_draft_key(tree_mask: torch.Tensor) -> torch.Tensor:
@@ -209,7 +210,7 @@ def block_costs(bounds: np.ndarray, rt_unit_start: np.ndarray, segment_units, rt
 
 
 ALIGN_SLACK = 1.06  # an aligned split may put this much more work than the balanced one into its largest block
-# `choose_plan`'s aligned candidate, on FlashMLA's schedule on 64-key blocks: a request is cut alike where each of
+# `choose_plan`'s aligned candidate, on blocks64: a request is cut alike where each of
 # its row tiles is worth at least ALIGN_SHARES blocks' shares, and the split weighs a segment ALIGN_SEGMENT_UNITS (a
 # short tile's SHORT_SEGMENT_UNITS more, as timed). An H200 trace of mixed so planned fitted 1.05-1.06 us a unit and
 # 12.2-12.6 us a segment, short or long, over its 132 blocks; the weights 5, 8, 10 and 12 timed side by side, 12 the
@@ -425,18 +426,18 @@ def plan(
 # Relative time of one (row tile, key tile) unit, by kind of segment, in units of a wgmma unit
 # (docs/kernel-design.md, "Cost model"): least-squares fits of time = units * u + segments * s to the twelve bench
 # cases on the H200, over unpadded units (`estimated_cost` applies them to padded ones): u(BM 32) / u(wgmma) = 1.15;
-# mma.sync at BM 64 measured 1.30-1.34x the dims-split wgmma body's time on the long cases, which is 1.36x the
-# split-key body's; FlashMLA's schedule on 64-key blocks ("wgmma64_b64") 0.82 of the split-key body's.
-UNIT_COST = {"wgmma64": 1.0, "wgmma64_b64": 0.82, "mma64": 1.8, "mma32": 1.15}
+# mma.sync at BM 64 measured 1.30-1.34x the dims_split wgmma body's time on the long cases, which is 1.36x the
+# split_keys body's; blocks64 0.82 of the split_keys body's.
+UNIT_COST = {"wgmma64": 1.0, "blocks64": 0.82, "mma64": 1.8, "mma32": 1.15}
 # What a segment adds beyond its units (prologue, pipeline fill, store), a row, in wgmma units, with each segment's
-# units padded as its body runs them (`padded_units`): 9 units a 64-row segment (~12 us at the split-key body's 1.38
-# us a unit), 10 on 64-key blocks (`SEGMENT_COST_SCALE`). From a grid search: on each body's default plan they pick
+# units padded as its body runs them (`padded_units`): 9 units a 64-row segment (~12 us at the split_keys body's 1.38
+# us a unit), 10 on blocks64 (`SEGMENT_COST_SCALE`). From a grid search: on each body's default plan they pick
 # the faster Hopper body on the eight bench cases timed on both, the ratio of the two bodies' times within 6 % rms
 # (docs/kernel-design.md, "Cost model", for the metric); an H200 trace puts a
 # long segment's overhead at ~7 us, a short one's at ~14 (docs/kernel-design.md, "Cost model";
 # tools/choose_check.py times every candidate beside the pick).
 SEGMENT_COST_PER_ROW = 9.0 / 64
-SEGMENT_COST_SCALE = {"wgmma64_b64": 10.0 / 9.0}
+SEGMENT_COST_SCALE = {"blocks64": 10.0 / 9.0}
 # A split plan of a batch whose pool rows exceed L2 (`choose_plan`): its blocks read the keys at every offset at
 # once, from HBM. Fitted to one H200 pair (DeepSeek-V3 2 x 4,112 rows on 33,025 keys, 76 MB
 # of rows: 1.345 ms balanced over 132 blocks, 1.121 one tile a block on 130).
@@ -444,15 +445,16 @@ L2_SPREAD_COST = 0.2
 
 
 def cost_kind(config: KernelConfig) -> str:
-    """The cost model's name for a configuration's segment body."""
-    return f"{'wgmma' if config.wgmma else 'mma'}{config.bm}" + ("_b64" if config.wg_blocks64 else "")
+    """The cost model's name for a configuration's segment body: `blocks64`, `wgmma64` (the other wgmma bodies,
+    split_keys and dims_split) or `mma<bm>` (mma.sync)."""
+    return "blocks64" if config.blocks64 else f"{'wgmma' if config.wgmma else 'mma'}{config.bm}"
 
 
 def padded_units(config: KernelConfig) -> int:
     """The key tiles a segment of the configuration's body is rounded up to: pairs of 64-key blocks (4 tiles) on
-    FlashMLA's schedule, the two tiles of a 64-key step in the split-key body, single tiles otherwise (the
-    mma.sync and dims-split bodies and the few-row segment)."""
-    return 4 if config.wg_blocks64 else 2 if (config.wgmma and config.wg_split) else 1
+    blocks64, the two tiles of a 64-key step on split_keys, single tiles otherwise (the mma.sync and dims_split
+    bodies and the few-row segment)."""
+    return 4 if config.blocks64 else 2 if (config.wgmma and config.split_keys) else 1
 
 
 def estimated_cost(p: LaunchPlan, model=None) -> float:
@@ -499,7 +501,7 @@ def weighed_plans(
     once instead of sweeping them together. Where the batch's pool rows exceed the L2 cache (`l2_bytes`, the
     GPU's; None or 0: unknown) those reads go to HBM: every split plan then costs L2_SPREAD_COST more, and a batch
     with fewer row tiles than blocks is also planned one tile a block, kept where nothing is split
-    (docs/kernel-design.md, "Cost model"). On 64-key blocks a batch with a request long enough to be cut alike
+    (docs/kernel-design.md, "Cost model"). On blocks64 a batch with a request long enough to be cut alike
     (ALIGN_SHARES) is also planned so (`aligned_split`, a segment weighed ALIGN_SEGMENT_UNITS; `aligned`=False:
     not), and weighed as any other split plan, L2_SPREAD_COST included: `estimated_cost` has no term for the
     aligned request's keys read together, so the candidate wins by its balance alone. `model`: a cost model fitted
@@ -509,7 +511,7 @@ def weighed_plans(
     cut_alike = (
         plan(args, num_heads, num_sms, c, align_shares=ALIGN_SHARES, segment_units=ALIGN_SEGMENT_UNITS)
         for c in configs
-        if c.wg_blocks64 and aligned
+        if c.blocks64 and aligned
     )
     cut_alike = [p for p in cut_alike if p.aligned]
     if not l2_bytes or pool_row_bytes(args) <= l2_bytes:

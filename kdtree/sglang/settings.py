@@ -10,7 +10,7 @@
 | `KDTREE_CAPTURE_DIR` | where capture mode writes | `kdtree-captures` |
 | `KDTREE_CAPTURE_MAX_FILES` | capture mode stops after this many files | `16` |
 | `KDTREE_CAPTURE_MAX_BYTES` | ... or before the files would pass this many bytes (suffixes K, M, G) | `1G` |
-| `KDTREE_BODY` | the kernel body the server runs: `default` (the target's first configuration: on Hopper the split-key body with few-row tiles) or `blocks64` (Hopper: FlashMLA's schedule on 64-key blocks, for long batches: docs/sglang.md, "Which body"; another target keeps its default and says so once) | `default` |
+| `KDTREE_BODY` | the kernel body the server runs: `default` (the target's first configuration: on Hopper split_keys with few-row tiles) or `blocks64` (Hopper: the blocks64 body, FlashMLA's schedule on 64-key blocks, for long batches: docs/sglang.md, "Which body"; another target keeps its default and says so once) | `default` |
 
 A value that does not parse raises `SettingsError` naming the variable, when the server starts.
 """
