@@ -1,6 +1,6 @@
 """The README's commands that need no GPU run as written, from a fresh working directory, and exit as the README
 says (`(exit N)` in the line's comment, else 0). `kdtree compile` is left to CI's own step (.ci/run runs the
-README's line); GPU commands (bench, server-check) are not run here."""
+README's line); GPU commands (bench, server-check, selfcheck, tune, report) are not run here."""
 
 import os
 import re
@@ -12,7 +12,15 @@ import pytest
 
 from conftest import ROOT
 
-GPU_ONLY = ("kdtree bench", "kdtree server-check", "kdtree compile", "--impl cuda")
+GPU_ONLY = (
+    "kdtree bench",
+    "kdtree server-check",
+    "kdtree compile",
+    "--impl cuda",
+    "kdtree tune",
+    "kdtree report",
+    "kdtree selfcheck",
+)
 
 
 def readme_commands() -> list[tuple[str, int]]:

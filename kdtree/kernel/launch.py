@@ -249,6 +249,7 @@ class VerifyKernel:
         self.module, self.fwd, self.merge = self.compiled(self.config)
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         self.num_sms, self.l2_bytes = props.multi_processor_count, props.L2_cache_size
+        self.gpu_name = props.name
         self._streams: dict[int, object] = {}
         self.pdl = pdl_available()
         self.merge_threads = MERGE_THREADS
@@ -291,8 +292,12 @@ class VerifyKernel:
 
     def plan(self, args: VerifyArgs, num_heads: int) -> LaunchPlan:
         """The launch plan for this batch on this GPU, with the cheapest of this kernel's configurations (host
-        side, before any capture; compiles that configuration if it has not been yet)."""
-        p = choose_plan(args, num_heads, self.num_sms, self.configs, l2_bytes=self.l2_bytes)
+        side, before any capture; compiles that configuration if it has not been yet), priced by the cost model
+        `kdtree tune` fitted to this GPU where it wrote one for this kernel source (`kdtree.tune.active_model`)."""
+        from kdtree.tune import active_model
+
+        model = active_model(self.gpu_name, self.num_sms) if self.source == SOURCE else None
+        p = choose_plan(args, num_heads, self.num_sms, self.configs, l2_bytes=self.l2_bytes, model=model)
         self.compiled(p.config)
         return p
 
