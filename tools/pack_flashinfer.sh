@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FlashInfer for the lent H200 (cp312, no network there) as one xz archive, .whl/fi312.tar.xz (~15 MB; the wheel is
+# FlashInfer for an offline GPU machine (cp312, no network there) as one xz archive, .whl/fi312.tar.xz (~15 MB; the wheel is
 # 62 MB and unpacks to 426 MB): its Python files, the headers and the MLA sources its JIT compiles
 # (data/include, cutlass, cccl, spdlog, csrc/batch_mla*), the pure-Python packages its import needs, and
 # apache-tvm-ffi for cp312 (taken from .whl/site312.tar.xz, which has SGLang's copy). With the repository that is

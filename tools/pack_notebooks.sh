@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The notebook stack for the lent H200 (cp312, no network there) as one xz archive, .whl/nbsite312.tar.xz: jupytext,
+# The notebook stack for an offline GPU machine (cp312, no network there) as one xz archive, .whl/nbsite312.tar.xz: jupytext,
 # nbclient, nbformat, ipykernel and ipywidgets with what they import, installed with `pip install --target` for
 # Python 3.12, less what the device image already has (matplotlib and its dependencies, fontTools among them,
 # numpy, pygments, pyyaml, psutil, attrs, markdown-it-py: /work/.library/device/KINDS.md lists them; packed, they

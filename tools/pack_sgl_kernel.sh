@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real sgl_kernel for the lent GPU (torch 2.11, sm_90, no network there) as one xz archive,
+# A real sgl_kernel for an offline GPU machine (torch 2.11, sm_90, no network there) as one xz archive,
 # .whl/sgl_kernel312.tar.xz (~13 MB; sglang-kernel's wheels are ~375 MB each): sglang-kernel 0.4.10's Python files
 # and dist-info (the version SGLang 0.5.23 asks for) with 0.4.5's sm90/common_ops.abi3.so (0.4.5 was built for
 # torch 2.11; 0.4.10's own library needs symbols torch 2.11 lacks; the ops both versions have share their

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SGLang for the lent H200 (cp312, no network there) as one xz archive, .whl/site312.tar.xz (~17 MB; the wheels
+# SGLang for an offline GPU machine (cp312, no network there) as one xz archive, .whl/site312.tar.xz (~17 MB; the wheels
 # are ~50 MB, SGLang's 39 of them): SGLang's cp312 wheel and the pure-Python and cp312 packages its import chain
 # needs beyond what the device has (torch, triton, numpy, ...), installed with `pip install --target` for Python
 # 3.12, less the server's Rust extensions (kept: the radix cache's), multimodal generation and the benchmarks,

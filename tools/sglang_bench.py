@@ -1,4 +1,4 @@
-"""`kdtree bench --sglang` on a machine where SGLang imports but sgl_kernel does not (the lent H200): the test
+"""`kdtree bench --sglang` on a machine where SGLang imports but sgl_kernel does not (an offline GPU machine): the test
 harness's sgl_kernel stand-in (tests/sglang_harness, on PYTHONPATH:
 tools/gpu_session.sh puts it there), then the benchmark. Usage: python3 tools/sglang_bench.py OUT.json [CASE ...]"""
 

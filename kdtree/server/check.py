@@ -137,7 +137,7 @@ def server_env(mode: str, s: CheckSettings, capture_dir: Path, base: dict | None
                 "KDTREE_CAPTURE_MAX_FILES": str(s.capture_max_files),
             }
         )
-    # SGLang's Rust radix-tree core panicked at the first prefill on the lent H100 (UnknownKind(20)); the Python
+    # SGLang's Rust radix-tree core panicked at the first prefill on an H100 (UnknownKind(20)); the Python
     # one is SGLang's own alternative. A value the caller set wins.
     env.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
     cuda_home = env.setdefault("CUDA_HOME", "/usr/local/cuda")  # SGLang JIT-compiles a few kernels with nvcc and ninja

@@ -1,6 +1,6 @@
 """Test harness for running SGLang's attention stack where `sgl_kernel` cannot be installed.
 
-`sgl_kernel` (sglang-kernel, 373 MB) does not fit the lent H200's 64 MiB carry, and SGLang imports it without
+`sgl_kernel` (sglang-kernel, 373 MB) does not fit a 64 MiB transfer to an offline GPU machine, and SGLang imports it without
 a guard on CUDA. `install_sgl_kernel_shim()` provides, only when the real package is absent, the names SGLang's
 import chain for the Triton attention backend, the MLA KV pool and the attention test kit asks of it:
 
