@@ -626,6 +626,9 @@ def tune_cmd(
     repeat: int = typer.Option(1, help="time and fit this many times (the picks of each against the last's)"),
     out: Path = typer.Option(Path("tune-out"), "--out", "-o", help="folder for tune.json"),
     write: bool = typer.Option(True, "--write/--no-write", help="write the tuning file the planner loads"),
+    mma_repeat: int = typer.Option(
+        1, help="issue every mma.sync this many times (a part with 1/n the tensor rate; an emulation: never written)"
+    ),
 ):
     """Fit the planner's cost model to this GPU: every plan the planner weighs for the bench cases and fuzz
     batches, timed; a least-squares fit of each body's unit and segment costs; the shipped model's picks and the
@@ -637,8 +640,8 @@ def tune_cmd(
 
     if not gpu_available():
         raise BadInput("kdtree tune times the kernel: it needs a CUDA GPU with CuPy")
-    if fuzz < 0 or repeat < 1:
-        raise BadInput(f"--fuzz must be >= 0 and --repeat >= 1 (got {fuzz}, {repeat})")
+    if fuzz < 0 or repeat < 1 or mma_repeat < 1:
+        raise BadInput(f"--fuzz must be >= 0, --repeat and --mma-repeat >= 1 (got {fuzz}, {repeat}, {mma_repeat})")
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out {out}: exists and is not a directory")
     batches = tune.batches_to_time(list(case or []), fuzz)
@@ -646,10 +649,18 @@ def tune_cmd(
         raise BadInput(f"--case {case}: no bench case matches")
     import torch
 
+    from kdtree.kernel import KernelConfig
+    from kdtree.kernel.config import target_arch
+
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    target = target_arch()
+    configs = KernelConfig.candidates(target)
+    if mma_repeat > 1:
+        configs = tuple(c.with_defines([f"VMLA_MMA_REPEAT={mma_repeat}"]) for c in configs)
+        write = False
     console = Console(stderr=True)
     with console.status("tune") as status:
-        result = tune.tune(batches, repeat=repeat, say=status.update)
+        result = tune.tune(batches, configs, repeat=repeat, say=status.update)
     f = result.pop("_model")
     typer.echo(tune.format_summary(result["summary"]))
     typer.echo(f"fit over {len(batches)} batches: rms {f.rms_rel:.1%} of a launch's time; fitted {', '.join(f.fitted)}")
@@ -660,8 +671,9 @@ def tune_cmd(
     out.mkdir(parents=True, exist_ok=True)
     (out / "tune.json").write_text(json.dumps(result, indent=1, default=str))
     if write:
-        path = tune.tuning_path(props.name, props.multi_processor_count)
-        tune.save(tune.TuningFile(props.name, props.multi_processor_count, source_hash(), f.model, f.fitted, f.rms_rel), path)
+        path = tune.tuning_path(props.name, props.multi_processor_count, target)
+        sms = props.multi_processor_count
+        tune.save(tune.TuningFile(props.name, sms, source_hash(), f.model, f.fitted, f.rms_rel, target=target), path)
         typer.echo(f"wrote {path} (the planner loads it on this GPU; KDTREE_TUNING=off ignores it)")
     typer.echo(f"wrote {out / 'tune.json'}", err=True)
 

@@ -115,6 +115,7 @@ class TuningFile:
     fitted: list[str] = field(default_factory=list)
     rms_rel: float = 0.0
     made_at: str = ""
+    target: str = ""  # the configurations fitted (the GPU's own target, or $KDTREE_KERNEL_TARGET's)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, **asdict(self)}
@@ -130,8 +131,8 @@ def save(t: TuningFile, path: Path) -> Path:
     return path
 
 
-def load(path: Path, *, gpu: str, sms: int, source_hash: str) -> TuningFile:
-    """The tuning file at `path` if it was made for this GPU and kernel source; TuneError naming why not."""
+def load(path: Path, *, gpu: str, sms: int, source_hash: str, target: str = "") -> TuningFile:
+    """The tuning file at `path` if it was made for this GPU, target and kernel source; TuneError naming why not."""
     try:
         d = json.loads(Path(path).read_text())
     except OSError as e:
@@ -149,11 +150,15 @@ def load(path: Path, *, gpu: str, sms: int, source_hash: str) -> TuningFile:
             fitted=list(d.get("fitted", [])),
             rms_rel=float(d.get("rms_rel", 0.0)),
             made_at=str(d.get("made_at", "")),
+            target=str(d.get("target", "")),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise TuneError(f"{path}: corrupt (a field is missing or malformed: {type(e).__name__}: {e})") from e
-    if (t.gpu, t.sms) != (gpu, sms):
-        raise TuneError(f"{path}: foreign (made for {t.gpu} with {t.sms} SMs, this is {gpu} with {sms})")
+    if (t.gpu, t.sms, t.target) != (gpu, sms, target):
+        raise TuneError(
+            f"{path}: foreign (made for {t.gpu} with {t.sms} SMs, target {t.target or '-'}; this is {gpu} with {sms}, "
+            f"target {target or '-'})"
+        )
     if t.source_hash != source_hash:
         raise TuneError(f"{path}: stale (made for kernel source {t.source_hash}, this is {source_hash}); run kdtree tune")
     try:
@@ -163,12 +168,12 @@ def load(path: Path, *, gpu: str, sms: int, source_hash: str) -> TuningFile:
     return t
 
 
-def tuning_path(gpu: str, sms: int, directory: Path | None = None) -> Path:
-    """Where `kdtree tune` writes, and the planner looks, for this GPU: the cache directory's tune/ folder."""
+def tuning_path(gpu: str, sms: int, target: str = "", directory: Path | None = None) -> Path:
+    """Where `kdtree tune` writes, and the planner looks, for this GPU and target: the cache directory's tune/."""
     from kdtree.selfcheck import cache_dir
 
     slug = "".join(c if c.isalnum() else "-" for c in gpu).strip("-").lower()
-    return (directory or cache_dir()) / "tune" / f"{slug}-{sms}sm.json"
+    return (directory or cache_dir()) / "tune" / f"{slug}-{sms}sm{'-' + target if target else ''}.json"
 
 
 # ----- on a GPU: time every plan the planner weighs, fit, compare the picks ---------------------------------------
@@ -214,7 +219,7 @@ def slowest_block(p) -> tuple[float, float]:
     return float(p.block_padded_work[b]), float(p.block_segments[b])
 
 
-def time_batches(batches, *, say=lambda _: None) -> list[BatchTimes]:
+def time_batches(batches, configs=None, *, say=lambda _: None) -> list[BatchTimes]:
     """Each (name, SynthSpec) synthesized and marshaled; every plan `weighed_plans` weighs for this GPU's candidate
     configurations timed (median, L2 flushed) on the kernel built for its configuration."""
     import torch
@@ -226,7 +231,7 @@ def time_batches(batches, *, say=lambda _: None) -> list[BatchTimes]:
     from kdtree.marshal import marshal
     from kdtree.synth import synthesize
 
-    configs = KernelConfig.candidates(target_arch())
+    configs = configs or KernelConfig.candidates(target_arch())
     kerns = {c: VerifyKernel.get(c) for c in configs}
     first = kerns[configs[0]]
     out = []
@@ -248,7 +253,7 @@ def time_batches(batches, *, say=lambda _: None) -> list[BatchTimes]:
     return out
 
 
-def retime_costs(batches, times: list[BatchTimes], model: CostModel) -> None:
+def retime_costs(batches, times: list[BatchTimes], model: CostModel, configs=None) -> None:
     """Each batch's plans costed again under `model` (the plans weighed are the model's too: same order)."""
     from kdtree.kernel import KernelConfig, VerifyKernel
     from kdtree.kernel.config import target_arch
@@ -256,7 +261,7 @@ def retime_costs(batches, times: list[BatchTimes], model: CostModel) -> None:
     from kdtree.marshal import marshal
     from kdtree.synth import synthesize
 
-    configs = KernelConfig.candidates(target_arch())
+    configs = configs or KernelConfig.candidates(target_arch())
     first = VerifyKernel.get(configs[0])
     for (name, spec), bt in zip(batches, times):
         cap = synthesize(spec, reference=False)
@@ -311,14 +316,14 @@ def batches_to_time(cases: list[str], fuzz: int) -> list[tuple[str, object]]:
     return out + [(f"fuzz seed {s}", fuzz_spec(s)) for s in range(fuzz)]
 
 
-def tune(batches, *, repeat: int = 1, say=lambda _: None) -> dict:
+def tune(batches, configs=None, *, repeat: int = 1, say=lambda _: None) -> dict:
     """Time every weighed plan of every batch (`repeat` times), fit the cost model to each pass, and compare the
     shipped model's picks and each fit's with the fastest plans. The last pass's fit is the result."""
     passes = []
     for i in range(repeat):
-        times = time_batches(batches, say=lambda m, i=i: say(f"pass {i + 1}: {m}"))
+        times = time_batches(batches, configs, say=lambda m, i=i: say(f"pass {i + 1}: {m}"))
         f = fit([t for bt in times for t in bt.timed])
-        retime_costs(batches, times, f.model)
+        retime_costs(batches, times, f.model, configs)
         passes.append((times, f))
     times, f = passes[-1]
     out = {"fit": {"model": asdict(f.model), "fitted": f.fitted, "rms_rel": f.rms_rel, "intercept_ms": f.intercept_ms,
@@ -335,7 +340,7 @@ def tune(batches, *, repeat: int = 1, say=lambda _: None) -> dict:
 _active: dict = {}
 
 
-def active_model(gpu: str, sms: int, env: dict | None = None) -> CostModel | None:
+def active_model(gpu: str, sms: int, target: str = "", env: dict | None = None) -> CostModel | None:
     """The cost model the planner uses on this GPU: the tuning file `kdtree tune` wrote for it (or the one
     $KDTREE_TUNING names), else None (the shipped constants). A file that cannot be used is said once (logger
     `kdtree`) and ignored; KDTREE_TUNING=off ignores any."""
@@ -348,13 +353,13 @@ def active_model(gpu: str, sms: int, env: dict | None = None) -> CostModel | Non
     named = env.get("KDTREE_TUNING", "").strip()
     if named.lower() in ("off", "0", "none"):
         return None
-    path = Path(named) if named else tuning_path(gpu, sms, cache_dir(env))
-    key = (str(path), gpu, sms)
+    path = Path(named) if named else tuning_path(gpu, sms, target, cache_dir(env))
+    key = (str(path), gpu, sms, target)
     if key not in _active:
         model = None
         if path.exists() or named:
             try:
-                model = load(path, gpu=gpu, sms=sms, source_hash=source_hash()).model
+                model = load(path, gpu=gpu, sms=sms, source_hash=source_hash(), target=target).model
             except TuneError as e:
                 logging.getLogger("kdtree").warning("[kdtree] tuning file not used: %s; the shipped cost model plans", e)
         _active[key] = model

@@ -60,21 +60,24 @@ def test_a_kind_measured_too_little_keeps_the_shipped_cost_and_the_reference_mus
 
 def test_a_tuning_file_round_trips_and_is_refused_when_corrupt_foreign_or_stale(tmp_path):
     f = tune.fit(timings(TRUE))
-    path = tune.tuning_path("NVIDIA RTX PRO 6000 Blackwell", 188, tmp_path)
-    assert path.name == "nvidia-rtx-pro-6000-blackwell-188sm.json"
-    tune.save(TuningFile("NVIDIA RTX PRO 6000 Blackwell", 188, "abc123", f.model, f.fitted, f.rms_rel), path)
-    ok = tune.load(path, gpu="NVIDIA RTX PRO 6000 Blackwell", sms=188, source_hash="abc123")
+    path = tune.tuning_path("NVIDIA RTX PRO 6000 Blackwell", 188, "sm_120", tmp_path)
+    assert path.name == "nvidia-rtx-pro-6000-blackwell-188sm-sm_120.json"
+    rtx = dict(gpu="NVIDIA RTX PRO 6000 Blackwell", sms=188, target="sm_120")
+    tune.save(TuningFile(rtx["gpu"], 188, "abc123", f.model, f.fitted, f.rms_rel, target="sm_120"), path)
+    ok = tune.load(path, source_hash="abc123", **rtx)
     assert ok.model == f.model and ok.fitted == f.fitted
     with pytest.raises(TuneError, match="foreign .*NVIDIA H200"):
-        tune.load(path, gpu="NVIDIA H200", sms=132, source_hash="abc123")
+        tune.load(path, gpu="NVIDIA H200", sms=132, source_hash="abc123", target="sm_120")
+    with pytest.raises(TuneError, match="foreign .*target sm_90"):  # another target's configurations on this GPU
+        tune.load(path, source_hash="abc123", **(rtx | {"target": "sm_90"}))
     with pytest.raises(TuneError, match="stale .*run kdtree tune"):
-        tune.load(path, gpu="NVIDIA RTX PRO 6000 Blackwell", sms=188, source_hash="def456")
+        tune.load(path, source_hash="def456", **rtx)
     good = json.loads(path.read_text())
     for broken in ("{", json.dumps({"format": "other"}), json.dumps({**good, "sms": "many"}),
                    json.dumps({**good, "model": {"unit_cost": {"wgmma64": -1.0}, "segment_cost": {}}})):  # fmt: skip
         path.write_text(broken)
         with pytest.raises(TuneError, match="corrupt"):
-            tune.load(path, gpu="NVIDIA RTX PRO 6000 Blackwell", sms=188, source_hash="abc123")
+            tune.load(path, source_hash="abc123", **rtx)
     with pytest.raises(TuneError, match="cannot be read"):
         tune.load(tmp_path / "none.json", gpu="x", sms=1, source_hash="y")
 
@@ -111,16 +114,16 @@ def test_the_planner_loads_this_gpus_tuning_file_and_ignores_a_foreign_one(tmp_p
     from kdtree.kernel import source_hash
 
     f = tune.fit(timings(TRUE))
-    path = tune.tuning_path("GPU A", 188, tmp_path)
-    tune.save(TuningFile("GPU A", 188, source_hash(), f.model, f.fitted), path)
+    path = tune.tuning_path("GPU A", 188, "sm_90", tmp_path)
+    tune.save(TuningFile("GPU A", 188, source_hash(), f.model, f.fitted, target="sm_90"), path)
     env = {"KDTREE_CACHE_DIR": str(tmp_path)}
     tune._active.clear()
-    assert tune.active_model("GPU A", 188, {"KDTREE_TUNING": str(path)}) == f.model
-    assert tune.active_model("GPU A", 188, {"KDTREE_TUNING": "off"}) is None
+    assert tune.active_model("GPU A", 188, "sm_90", env) == f.model  # found where `kdtree tune` writes it
+    assert tune.active_model("GPU A", 188, "sm_90", {"KDTREE_TUNING": "off"}) is None
     with caplog.at_level("WARNING", logger="kdtree"):
-        assert tune.active_model("GPU B", 132, {"KDTREE_TUNING": str(path)}) is None  # foreign: said, not used
+        assert tune.active_model("GPU B", 132, "sm_90", {"KDTREE_TUNING": str(path)}) is None  # foreign: said, not used
     assert "foreign" in caplog.text and "shipped cost model" in caplog.text
-    assert tune.active_model("GPU C", 1, env) is None  # none written for it: the shipped model, silently
+    assert tune.active_model("GPU A", 188, "sm_120", env) is None  # none for that target: the shipped model, silently
 
 
 def test_a_batchs_picks_are_read_against_its_fastest_plan():
