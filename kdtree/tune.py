@@ -124,6 +124,10 @@ class TuningFile:
 def save(t: TuningFile, path: Path) -> Path:
     """Atomically: a temporary file renamed over `path`."""
     t.model.check()
+    if not t.made_at:
+        import time
+
+        t.made_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(t.to_json(), indent=1))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
-# Usage (device machine, repository root): tools/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|server-check|server-tests|all] ...
+# Usage (device machine, repository root): tools/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|server-check|server-tests|bench-server|selfcheck|tune|report|all] ...
 # (bench-chain: the chain cases with FlashInfer's causal MLA kernel beside kdtree; carry .whl/fi312.tar.xz alone)
 # (bench-chain-fa2: sm_120's configuration against FlashInfer's portable fa2 kernel, first as its dispatch sizes it
 #  for this GPU, then on a copy of FlashInfer edited to take the branch it takes at sm_120's ~100 KB a SM; carry
@@ -10,7 +10,10 @@
 #  issued twice, a part with half this GPU's mma.sync rate per SM-cycle, on every bench case; the ceilings of both)
 # (server-check: `kdtree server-check` with the real sgl_kernel when .whl/sgl_kernel312.tar.xz is carried, else the
 #  test stand-in; SERVER_CHECK_ARGS adds options; carry .whl with site312.tar.xz and leave data/ behind;
-#  server-tests: tests/test_server_gpu.py the same way, SERVER_TESTS_K selects tests)
+#  server-tests: tests/test_server_gpu.py the same way, SERVER_TESTS_K selects tests; bench-server: `kdtree bench
+#  --server` into $OUT, BENCH_SERVER_ARGS adds options)
+# (selfcheck, tune (this GPU's target, sm_120's, sm_120's at half the tensor rate), report: the first-use
+#  commands of kdtree; tune writes no tuning file here)
 # (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;
 #  quick: the shipped captures, the fused merge and determinism tests only)
 set -uo pipefail
@@ -87,6 +90,19 @@ for w in "$@"; do
                     --model-dir /tmp/tiny-model ${SERVER_CHECK_ARGS:-}
                   cp /tmp/server-check/report.json "$OUT/" 2>/dev/null  # and the servers' logs and captures in one archive:
                   tar -cJf "$OUT/server-check.tar.xz" -C /tmp/server-check . 2>/dev/null ;;
+    selfcheck) step selfcheck 300 python3 -m kdtree selfcheck --force ;;
+    tune) # the three bars of the tuner in one run: this GPU's configurations, sm_120's, and sm_120's at half the
+          # tensor rate (every mma.sync issued twice); each timed and fitted twice (--repeat 2)
+          step tune 560 python3 -m kdtree tune -o "$OUT/tune" --repeat 2 --no-write
+          step tune-sm120 560 env KDTREE_KERNEL_TARGET=sm_120 python3 -m kdtree tune -o "$OUT/tune-sm120" --repeat 2 --no-write
+          step tune-sm120-half 560 env KDTREE_KERNEL_TARGET=sm_120 python3 -m kdtree tune -o "$OUT/tune-sm120-half" \
+            --repeat 2 --mma-repeat 2 ;;
+    report) step report 600 python3 -m kdtree report -o "$OUT/report" ;;
+    bench-server) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1
+                  [ -f .whl/sgl_kernel312.tar.xz ] && tar -xJf .whl/sgl_kernel312.tar.xz -C /tmp/site
+                  step bench-server "${BENCH_SERVER_LIMIT:-560}" python3 -m kdtree bench --server -o /tmp/bench-server ${BENCH_SERVER_ARGS:-}
+                  cp /tmp/bench-server/bench-server.json /tmp/bench-server/bench-server.png "$OUT/" 2>/dev/null
+                  (cd /tmp/bench-server && tar -cJf "$OUT/bench-server-logs.tar.xz" ./*.log 2>/dev/null) ;;
     server-tests) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1
                   if [ -f .whl/sgl_kernel312.tar.xz ]; then tar -xJf .whl/sgl_kernel312.tar.xz -C /tmp/site
                   else export PYTHONPATH="$PWD/tests/sglang_harness/site:$PYTHONPATH" SGLANG_FORCE_FUSED_OP_BACKEND=torch \
