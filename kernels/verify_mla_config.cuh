@@ -1,5 +1,6 @@
 // Tile configuration of verify_mla.cu. Each can be overridden with -DNAME=value (kdtree.kernel passes
-// `defines`); the static_asserts in verify_mla.cu say which combinations are valid.
+// `defines`); the static_asserts in the body headers (verify_mla_body_*.cuh, verify_mla_wgmma_common.cuh) say which
+// combinations are valid.
 #pragma once
 
 #ifndef VMLA_DIM
@@ -30,7 +31,7 @@
 #define VMLA_KHALVES 2    // ... and the BN keys in parts (DSLICES x RGROUPS x KHALVES = WARPS)
 #endif
 #ifndef VMLA_WGMMA
-#define VMLA_WGMMA 0      // 1: the Hopper warpgroup-MMA segment (verify_mla_wgmma.cuh; sm_90a only, BM 64)
+#define VMLA_WGMMA 0      // 1: the Hopper warpgroup-MMA segment (verify_mla_body_*.cuh; sm_90a only, BM 64)
 #endif
 #ifndef VMLA_WG_PIPE
 #define VMLA_WG_PIPE 0    // wgmma body: 1 = QK of tile t and P V of tile t-1 in flight together (3 stages)

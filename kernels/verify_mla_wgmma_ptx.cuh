@@ -1,4 +1,4 @@
-// PTX wrappers of the warpgroup MMAs (sm_90a) that the Hopper body (verify_mla_wgmma.cuh) and its rate probe
+// PTX wrappers of the warpgroup MMAs (sm_90a) that the Hopper bodies (verify_mla_body_*.cuh) and their rate probe
 // (wgmma_probe.cu) share: shared-memory matrix descriptors, fence, commit, wait, the proxy fence, the QK steps (N 32 and 64).
 #pragma once
 
