@@ -54,7 +54,7 @@ __device__ __forceinline__ void merge_if_last(S& sm, const Args& a, const TileMe
   // per-row weights of the segs partials into the (now idle) score buffer, then the rows, CHUNKS_PER_THREAD
   // float4s per thread at a time with every load of a round in flight together
   valid_rows = min(valid_rows, VMLA_BM);  // (rows - row0 counts the request's later tiles too)
-  float(*w)[VMLA_BM] = reinterpret_cast<float(*)[VMLA_BM]>(&sm.s[0][0][0]);
+  float (*w)[VMLA_BM] = reinterpret_cast<float (*)[VMLA_BM]>(&sm.s[0][0][0]);
   for (int r = threadIdx.x; r < valid_rows; r += NUM_THREADS) {
     const MergeWeights mw = merge_weights(m.tile_lse + r, VMLA_BM, m.segs);
     for (int s = 0; s < m.segs; ++s) w[s][r] = merge_weight(__ldcg(m.tile_lse + s * VMLA_BM + r), mw);
@@ -74,7 +74,9 @@ __device__ __forceinline__ void merge_if_last(S& sm, const Args& a, const TileMe
       for (int j = 0; j < CHUNKS_PER_THREAD; ++j) {
         const int i = i0 + j * NUM_THREADS, r = i / CHUNKS;
         if (i < total)
-          add_weighted(acc[j], w[s][r], __ldcg(reinterpret_cast<const float4*>(m.tile_o + (s * VMLA_BM + r) * VMLA_VDIM + (i % CHUNKS) * 4)));
+          add_weighted(
+              acc[j], w[s][r],
+              __ldcg(reinterpret_cast<const float4*>(m.tile_o + (s * VMLA_BM + r) * VMLA_VDIM + (i % CHUNKS) * 4)));
       }
     }
 #pragma unroll
@@ -123,11 +125,12 @@ __device__ __forceinline__ int plan_entry(const int* p, int i) {
 // Persistent stream-K grid: block c takes work units [cta_unit_start[c], cta_unit_start[c + 1]) of the list of
 // (row tile, key tile) units; row tile rt owns units [rt_unit_start[rt], rt_unit_start[rt + 1]).
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, VMLA_BLOCKS_PER_SM)
-verify_mla_fwd(VMLA_KERNEL_PARAMS(VMLA_FWD_PARAMS)) {  // vmla::FwdParams' members (verify_mla_params.cuh)
+    verify_mla_fwd(VMLA_KERNEL_PARAMS(VMLA_FWD_PARAMS)) {  // vmla::FwdParams' members (verify_mla_params.cuh)
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  BlockSmem& sm = *reinterpret_cast<BlockSmem*>(smem_raw + (SMEM_ALIGN ? (SMEM_ALIGN - smem_addr(smem_raw) % SMEM_ALIGN) % SMEM_ALIGN : 0));
-  const Args a{q, kv_buffer, qo_indptr, kv_indptr, kv_indices, prefix_lens, tree_mask, mask_words, num_heads,
-               sm_scale, logit_cap, o, lse};
+  BlockSmem& sm = *reinterpret_cast<BlockSmem*>(
+      smem_raw + (SMEM_ALIGN ? (SMEM_ALIGN - smem_addr(smem_raw) % SMEM_ALIGN) % SMEM_ALIGN : 0));
+  const Args a{q,          kv_buffer, qo_indptr, kv_indptr, kv_indices, prefix_lens, tree_mask,
+               mask_words, num_heads, sm_scale,  logit_cap, o,          lse};
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // verify_mla_merge may launch now (it waits)
 #endif
@@ -168,7 +171,8 @@ verify_mla_fwd(VMLA_KERNEL_PARAMS(VMLA_FWD_PARAMS)) {  // vmla::FwdParams' membe
       const int64_t base = rt_seg_base[rt], slot = base + (static_cast<int>(blockIdx.x) - rt_first_cta[rt]);
       out_o = part_o + slot * VMLA_BM * VMLA_VDIM;
       out_lse = part_lse + slot * VMLA_BM;
-      if (rt_counter != nullptr) merge = {rt_counter + rt, segments, part_o + base * VMLA_BM * VMLA_VDIM, part_lse + base * VMLA_BM};
+      if (rt_counter != nullptr)
+        merge = {rt_counter + rt, segments, part_o + base * VMLA_BM * VMLA_VDIM, part_lse + base * VMLA_BM};
     }
 #if VMLA_WGMMA
     auto merge_tile = [&](int64_t grow0, int valid_rows) {
@@ -180,9 +184,11 @@ verify_mla_fwd(VMLA_KERNEL_PARAMS(VMLA_FWD_PARAMS)) {  // vmla::FwdParams' membe
 #if VMLA_SPLIT_KEYS && VMLA_BLOCKS64
       vmla_wg::verify_segment_blocks64(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
 #elif VMLA_SPLIT_KEYS
-      vmla_wg::verify_segment_split_keys(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
+      vmla_wg::verify_segment_split_keys(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse,
+                                         merge_tile);
 #else
-      vmla_wg::verify_segment_dims_split(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge_tile);
+      vmla_wg::verify_segment_dims_split(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse,
+                                         merge_tile);
 #endif
 #else
     verify_segment(sm, a, b, rt_row0[rt], k_begin, max(k_begin, k_end), out_o, out_lse, merge);
@@ -200,7 +206,8 @@ verify_mla_fwd(VMLA_KERNEL_PARAMS(VMLA_FWD_PARAMS)) {  // vmla::FwdParams' membe
     }
 #else
     const int c = blockIdx.x;
-    if (VMLA_LAST_SEGMENT_FIRST && u_hi == plan_entry(cta_unit_start, c + 1) && seg_begin > plan_entry(cta_unit_start, c)) {
+    if (VMLA_LAST_SEGMENT_FIRST && u_hi == plan_entry(cta_unit_start, c + 1) &&
+        seg_begin > plan_entry(cta_unit_start, c)) {
       u_hi = seg_begin;  // the last segment is done: the units before it, from the block's first
       u = plan_entry(cta_unit_start, c), rt = plan_entry(cta_first_rt, c);
     } else {

@@ -20,8 +20,12 @@ namespace vmla_wg {
 static_assert(VMLA_FEW_ROWS == 0, "the blocks64 body runs without the few-row segment (beside it, it spills)");
 namespace blocks64 {
 constexpr int BLK = 64, BAR_S0 = 1, BAR_S1 = 2, BAR_P0 = 3, BAR_K0R = 4, BAR_K1L = 5;
-__device__ __forceinline__ void arrive(int id) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(NUM_THREADS) : "memory"); }
-__device__ __forceinline__ void sync(int id) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(NUM_THREADS) : "memory"); }
+__device__ __forceinline__ void arrive(int id) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(NUM_THREADS) : "memory");
+}
+__device__ __forceinline__ void sync(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(NUM_THREADS) : "memory");
+}
 
 // A descriptor the compiler must treat as new at each use: otherwise it hoists the 36 QK (and 8 P V) descriptors
 // out of the block loop and holds them in registers.
@@ -55,14 +59,16 @@ __device__ __forceinline__ void issue_qk(float (&s)[8][4], Smem& sm, int g) {
 }
 // acc += P V over the block in buffer g for output columns [256 wg, +256), P from registers (pa) or from the
 // 64 x 64 swizzled tile at p_smem.
-__device__ __forceinline__ void issue_pv_regs(float (&acc)[PV_N / 8][4], const uint32_t (&pa)[4][4], Smem& sm, int g, int wg) {
+__device__ __forceinline__ void issue_pv_regs(float (&acc)[PV_N / 8][4], const uint32_t (&pa)[4][4], Smem& sm, int g,
+                                              int wg) {
   const uint64_t dv = opaque(desc(atom(sm, g, wg * 4), BLK * 128, 1024));
   wg_fence();
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) wgmma_pv(acc, pa[kk], dv + ((kk * 16 * 128) >> 4));
   wg_commit();
 }
-__device__ __forceinline__ void issue_pv_smem(float (&acc)[PV_N / 8][4], const __nv_bfloat16* p_smem, Smem& sm, int g, int wg) {
+__device__ __forceinline__ void issue_pv_smem(float (&acc)[PV_N / 8][4], const __nv_bfloat16* p_smem, Smem& sm, int g,
+                                              int wg) {
   const uint64_t dp = opaque(desc(p_smem, 16, 1024)), dv = opaque(desc(atom(sm, g, wg * 4), BLK * 128, 1024));
   wg_fence();
 #pragma unroll
@@ -73,8 +79,8 @@ __device__ __forceinline__ void issue_pv_smem(float (&acc)[PV_N / 8][4], const _
 // Atoms [A0, A1) of the block of keys [k0, k0 + 64) into buffer g by this warpgroup's 128 threads: 8 threads a
 // row (one 16-byte chunk of each atom), 16 rows a pass; rows past k_end zero-filled. ids: the rows' slot ids.
 template <int A0, int A1>
-__device__ __forceinline__ void gather(Smem& sm, int g, const __nv_bfloat16* __restrict__ kv_buffer, const int (&ids)[4],
-                                       int k0, int k_end) {
+__device__ __forceinline__ void gather(Smem& sm, int g, const __nv_bfloat16* __restrict__ kv_buffer,
+                                       const int (&ids)[4], int k0, int k_end) {
 #ifndef VMLA_SKIP_LOAD
   const int t = threadIdx.x % 128, j = t % 8;
   // (the shared addresses from one opaque base: else the compiler hoists all 20 out of the block loop)
@@ -159,7 +165,9 @@ struct PWords {
   uint32_t lo;  // shared address of row r_lo's word for chunk 0
   __device__ __forceinline__ PWords(const __nv_bfloat16* p_smem, int r_lo, int tig)
       : lo(smem_addr(p_smem) + r_lo * 128 + (r_lo % 8) * 16 + tig * 4) {}
-  __device__ __forceinline__ uint32_t at(int kk, int e) const { return (lo + (e % 2) * 8 * 128) ^ ((2 * kk + e / 2) * 16); }
+  __device__ __forceinline__ uint32_t at(int kk, int e) const {
+    return (lo + (e % 2) * 8 * 128) ^ ((2 * kk + e / 2) * 16);
+  }
 };
 __device__ __forceinline__ void store_p(const PWords& w, const uint32_t (&pa)[4][4]) {
 #pragma unroll
@@ -179,15 +187,17 @@ __device__ __forceinline__ void rescale_p(const PWords& w, const float (&f)[2]) 
           uint32_t v;
           asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(w.at(kk, e)) : "memory");
           const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(w.at(kk, e)), "r"(pack_bf16(p.x * f[h], p.y * f[h])) : "memory");
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(w.at(kk, e)), "r"(pack_bf16(p.x * f[h], p.y * f[h]))
+                       : "memory");
         }
     }
 }
 }  // namespace blocks64
 
 template <class Merge>
-__device__ __forceinline__ void verify_segment_blocks64(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
-                                                        float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
+__device__ __forceinline__ void verify_segment_blocks64(Smem& sm, const Args& a, int b, int row0, int k_begin,
+                                                        int k_end, float* __restrict__ out_o,
+                                                        float* __restrict__ out_lse, Merge&& merge) {
   using namespace blocks64;
   const SegmentRows seg(a, b, row0);
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = (tid / 32) % 4, lane = tid % 32;
@@ -200,13 +210,17 @@ __device__ __forceinline__ void verify_segment_blocks64(Smem& sm, const Args& a,
   __nv_bfloat16* sP0 = atom(sm, 0, 8);
 
   // prologue: Q and the first two blocks, waited for; the running max at -inf
-  gather_swizzled<BM>(&sm.q[0][0][0], [&](int r) { return row0 + r < seg.rows ? a.q + (seg.grow0 + r) * VMLA_DIM : nullptr; }, a.q);
+  gather_swizzled<BM>(
+      &sm.q[0][0][0], [&](int r) { return row0 + r < seg.rows ? a.q + (seg.grow0 + r) * VMLA_DIM : nullptr; }, a.q);
 #pragma unroll
   for (int g = 0; g < 2; ++g) {
     const int k0 = k_begin + g * BLK;
-    gather_swizzled<BLK>(buffer(sm, g), [&](int r) {
-      return k0 + r < k_end ? a.kv_buffer + static_cast<int64_t>(__ldg(seg.kv_idx + k0 + r)) * VMLA_DIM : nullptr;
-    }, a.kv_buffer);
+    gather_swizzled<BLK>(
+        buffer(sm, g),
+        [&](int r) {
+          return k0 + r < k_end ? a.kv_buffer + static_cast<int64_t>(__ldg(seg.kv_idx + k0 + r)) * VMLA_DIM : nullptr;
+        },
+        a.kv_buffer);
   }
   cp_async_commit();
   if (tid < BM) sM[tid] = VMLA_NEG_INF;
@@ -229,7 +243,7 @@ __device__ __forceinline__ void verify_segment_blocks64(Smem& sm, const Args& a,
   for (int it = 0; it < iters; ++it) {
     int tok[2] = {rows.token[0], rows.token[1]};
     asm volatile("" : "+r"(tok[0]), "+r"(tok[1]));  // (the mask rows' addresses are not held across the loop)
-    const int blk = 2 * it + wg;  // this warpgroup's block
+    const int blk = 2 * it + wg;                    // this warpgroup's block
     const int k0 = k_begin + blk * BLK;
     const bool more = it + 1 < iters;
     const int r_lo = row_lo();

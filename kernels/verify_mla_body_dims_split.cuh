@@ -8,8 +8,9 @@ namespace vmla_wg {
 // One segment: rows [row0, row0 + 64) of request b against its keys [k_begin, k_end). Writes o/lse (out_o null)
 // or the fp32 partial out_o[64][512], out_lse[64] normalised by its own sum.
 template <class Merge>
-__device__ __forceinline__ void verify_segment_dims_split(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
-                                                          float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
+__device__ __forceinline__ void verify_segment_dims_split(Smem& sm, const Args& a, int b, int row0, int k_begin,
+                                                          int k_end, float* __restrict__ out_o,
+                                                          float* __restrict__ out_lse, Merge&& merge) {
   const int num_heads = a.num_heads;
   const SegmentRows seg(a, b, row0);
   const int prefix = seg.prefix, valid_rows = seg.valid_rows;
@@ -36,7 +37,8 @@ __device__ __forceinline__ void verify_segment_dims_split(Smem& sm, const Args& 
     fence_async_smem();
     __syncthreads();
     const int ahead = t + LOAD_AHEAD;
-    if (ahead < num_tiles) load_kv_tile(sm, ahead % VMLA_STAGES, ahead % IDX_RING, a.kv_buffer, k_begin + ahead * BN, k_end);
+    if (ahead < num_tiles)
+      load_kv_tile(sm, ahead % VMLA_STAGES, ahead % IDX_RING, a.kv_buffer, k_begin + ahead * BN, k_end);
     load_tile_slots(sm.idx[(t + SLOT_AHEAD) % IDX_RING], kv_idx, k_begin + (t + SLOT_AHEAD) * BN, k_end);
     cp_async_commit();
   };
@@ -67,7 +69,8 @@ __device__ __forceinline__ void verify_segment_dims_split(Smem& sm, const Args& 
   auto softmax = [&](float (&x)[2][8], int t, float (&alpha)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      alpha[h] = softmax_row(st[h], x[h], visible_keys<BN>(a, k_begin + t * BN, k_end, prefix, rows.valid[h], rows.token[h]), a, tig);
+      alpha[h] = softmax_row(
+          st[h], x[h], visible_keys<BN>(a, k_begin + t * BN, k_end, prefix, rows.valid[h], rows.token[h]), a, tig);
   };
 
   float s[NT][4], x[2][8], alpha[2];

@@ -20,12 +20,12 @@ namespace vmla_wg {
 //   PV:  warp w accumulates output columns [64 w, 64 w + 64) (8 n8 tiles, V by ldmatrix.trans): 32 fp32 a thread.
 // Without a P V in flight across tiles, two tiles load ahead (3 stages) and the slot ids four. Beside the
 // split_keys loop (whose score buffer holds row statistics only) the partial scores go in the last of its 4 stages.
-constexpr int FEW_BM = 16;                       // rows scored (one m16 block)
-constexpr int FEW_QROWS = 32;                    // Q rows gathered (gather_swizzled splits 32 rows evenly)
+constexpr int FEW_BM = 16;                                 // rows scored (one m16 block)
+constexpr int FEW_QROWS = 32;                              // Q rows gathered (gather_swizzled splits 32 rows evenly)
 constexpr int FEW_STAGES = VMLA_STAGES - VMLA_SPLIT_KEYS;  // (split_keys: the last stage holds the scores)
 constexpr int FEW_LOAD_AHEAD = FEW_STAGES - 1, FEW_SLOT_AHEAD = 2 * FEW_LOAD_AHEAD;
 constexpr int FEW_DSPLIT = 4, FEW_KSTEPS = KSTEPS / FEW_DSPLIT;  // QK: dim quarters, k16 steps in each
-constexpr int FEW_COLS = 4, FEW_TPR = BN / FEW_COLS;  // softmax: keys a thread, threads a row
+constexpr int FEW_COLS = 4, FEW_TPR = BN / FEW_COLS;             // softmax: keys a thread, threads a row
 static_assert(VMLA_FEW_ROWS <= FEW_BM, "a few-row tile is one m16 block");
 static_assert(FEW_SLOT_AHEAD + 1 <= IDX_RING, "the slot-id ring holds the ids requested and not yet used");
 static_assert(FEW_BM * P_STRIDE <= 2 * BM * BN, "P fits the P buffers");
@@ -35,7 +35,8 @@ static_assert((FEW_DSPLIT + 1) * FEW_BM * SX_STRIDE <= (VMLA_SPLIT_KEYS ? ATOMS 
 
 template <class Merge>
 __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
-                                                   float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
+                                                   float* __restrict__ out_o, float* __restrict__ out_lse,
+                                                   Merge&& merge) {
   const SegmentRows seg(a, b, row0);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, tig = lane % 4;
   const int kh = warp % 2, dq = warp / 2;  // QK: this warp's key half (2 n8 tiles) and dim quarter
@@ -43,7 +44,7 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
   // [FEW_DSPLIT][FEW_BM rows][SX_STRIDE] partial scores
   float* part = VMLA_SPLIT_KEYS ? reinterpret_cast<float*>(&sm.kv[FEW_STAGES][0][0][0]) : &sm.s[0][0][0];
   float* row_alpha = part + FEW_DSPLIT * FEW_BM * SX_STRIDE;  // [FEW_BM], then the rows' sums [FEW_BM]
-  __nv_bfloat16* p = &sm.p[0][0][0]; // [FEW_BM][P_STRIDE]
+  __nv_bfloat16* p = &sm.p[0][0][0];                          // [FEW_BM][P_STRIDE]
   // softmax threads (tid < 128): row srow, keys [scol, scol + 4)
   const int srow = tid / FEW_TPR, scol = (tid % FEW_TPR) * FEW_COLS;
   const bool soft = tid < FEW_BM * FEW_TPR, srow_valid = soft && srow < seg.valid_rows;
@@ -53,12 +54,14 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
   uint32_t qf[FEW_KSTEPS][4];  // this warp's Q fragments (rows 0-15, its dim quarter)
 #pragma unroll
   for (int i = 0; i < FEW_KSTEPS; ++i)
-    ldmatrix_x4(qf[i], &sm.q[0][0][0] + swizzled<FEW_QROWS>(lane % 8 + ((lane / 8) % 2) * 8, 2 * (dq * FEW_KSTEPS + i) + lane / 16));
+    ldmatrix_x4(qf[i], &sm.q[0][0][0] +
+                           swizzled<FEW_QROWS>(lane % 8 + ((lane / 8) % 2) * 8, 2 * (dq * FEW_KSTEPS + i) + lane / 16));
 
   RowState st;
   float acc[1][8][4];  // one m16 block x this warp's 8 n8 tiles of output columns
   zero_frags(acc);
-  const int k_key = kh * 16 + (lane / 16) * 8 + lane % 8, k_chunk = 2 * dq * FEW_KSTEPS + (lane / 8) % 2;  // K: 2 n8 tiles a load
+  const int k_key = kh * 16 + (lane / 16) * 8 + lane % 8,
+            k_chunk = 2 * dq * FEW_KSTEPS + (lane / 8) % 2;  // K: 2 n8 tiles a load
   const int v_key = ((lane / 8) % 2) * 8 + lane % 8, v_chunk = warp * 8 + lane / 16;
 
   for (int t = 0; t < num_tiles; ++t) {
@@ -68,7 +71,8 @@ __device__ __forceinline__ void verify_segment_few(Smem& sm, const Args& a, int 
     if (t == 0) VMLA_MARK(2);
     {
       const int ahead = t + FEW_LOAD_AHEAD;
-      if (ahead < num_tiles) load_kv_tile(sm, ahead % FEW_STAGES, ahead % IDX_RING, a.kv_buffer, k_begin + ahead * BN, k_end);
+      if (ahead < num_tiles)
+        load_kv_tile(sm, ahead % FEW_STAGES, ahead % IDX_RING, a.kv_buffer, k_begin + ahead * BN, k_end);
       load_tile_slots(sm.idx[(t + FEW_SLOT_AHEAD) % IDX_RING], seg.kv_idx, k_begin + (t + FEW_SLOT_AHEAD) * BN, k_end);
       cp_async_commit();
     }

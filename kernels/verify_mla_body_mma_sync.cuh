@@ -9,15 +9,15 @@
 namespace {
 using namespace vmla;
 
-constexpr int KSTEPS_PER_SLICE = KSTEPS / VMLA_DSLICES;           // 9 k16-steps of QK per warp
-constexpr int MT = VMLA_BM / 16;                                  // m16 tiles per block
-constexpr int QK_MT = MT / VMLA_RGROUPS;                          // m16 tiles per warp in QK
-constexpr int QK_NT = VMLA_BN / VMLA_KHALVES / 8;                 // n8 tiles of keys per warp in QK
-constexpr int PASS_NT = QK_NT / VMLA_KPASSES;                     // ... per pass over them
-constexpr int PV_COLS = VMLA_VDIM / VMLA_WARPS;                   // output columns per warp
+constexpr int KSTEPS_PER_SLICE = KSTEPS / VMLA_DSLICES;  // 9 k16-steps of QK per warp
+constexpr int MT = VMLA_BM / 16;                         // m16 tiles per block
+constexpr int QK_MT = MT / VMLA_RGROUPS;                 // m16 tiles per warp in QK
+constexpr int QK_NT = VMLA_BN / VMLA_KHALVES / 8;        // n8 tiles of keys per warp in QK
+constexpr int PASS_NT = QK_NT / VMLA_KPASSES;            // ... per pass over them
+constexpr int PV_COLS = VMLA_VDIM / VMLA_WARPS;          // output columns per warp
 constexpr int PV_NT = PV_COLS / 8;
-constexpr int CHUNKS_PER_ROW = VMLA_DIM * 2 / 16;                 // 16-byte pieces per 576-wide row
-constexpr int THREADS_PER_ROW = NUM_THREADS / VMLA_BM;            // softmax threads per row
+constexpr int CHUNKS_PER_ROW = VMLA_DIM * 2 / 16;       // 16-byte pieces per 576-wide row
+constexpr int THREADS_PER_ROW = NUM_THREADS / VMLA_BM;  // softmax threads per row
 constexpr int COLS_PER_THREAD = VMLA_BN / THREADS_PER_ROW;
 
 static_assert(VMLA_DSLICES * VMLA_RGROUPS * VMLA_KHALVES == VMLA_WARPS, "QK split must use every warp");
@@ -55,7 +55,8 @@ struct Smem {
 // per thread and row, and every 8 threads' copies cover one 128-byte run of a row (no bank conflicts). (Rows that
 // do not divide the threads: chunk c to thread c % NUM_THREADS.)
 template <int ROWS, class RowSrc>
-__device__ __forceinline__ void gather_rows(__nv_bfloat16 (*dst)[ROW_STRIDE], RowSrc row_src, const __nv_bfloat16* fallback) {
+__device__ __forceinline__ void gather_rows(__nv_bfloat16 (*dst)[ROW_STRIDE], RowSrc row_src,
+                                            const __nv_bfloat16* fallback) {
   constexpr int TPR = NUM_THREADS / ROWS;
   if constexpr (NUM_THREADS % ROWS == 0 && TPR >= 4) {
     const int r = threadIdx.x / TPR, j = threadIdx.x % TPR;
@@ -80,9 +81,10 @@ __device__ __forceinline__ void gather_rows(__nv_bfloat16 (*dst)[ROW_STRIDE], Ro
 __device__ __forceinline__ void load_kv_tile(Smem& sm, int stage, int slot, const __nv_bfloat16* __restrict__ kv_buffer,
                                              int k0, int k_end) {
 #ifndef VMLA_SKIP_LOAD
-  gather_rows<VMLA_BN>(sm.kv[stage], [&](int r) {
-    return k0 + r < k_end ? kv_buffer + static_cast<int64_t>(sm.idx[slot][r]) * VMLA_DIM : nullptr;
-  }, kv_buffer);
+  gather_rows<VMLA_BN>(
+      sm.kv[stage],
+      [&](int r) { return k0 + r < k_end ? kv_buffer + static_cast<int64_t>(sm.idx[slot][r]) * VMLA_DIM : nullptr; },
+      kv_buffer);
 #endif
 }
 

@@ -15,8 +15,9 @@ namespace vmla_wg {
 // the row sums; the two are added at the end. Four stages: this step's two tiles and the next step's, loaded a
 // whole step ahead. A segment with an odd number of tiles gives its last step a zero-filled second tile.
 template <class Merge>
-__device__ __forceinline__ void verify_segment_split_keys(Smem& sm, const Args& a, int b, int row0, int k_begin, int k_end,
-                                                          float* __restrict__ out_o, float* __restrict__ out_lse, Merge&& merge) {
+__device__ __forceinline__ void verify_segment_split_keys(Smem& sm, const Args& a, int b, int row0, int k_begin,
+                                                          int k_end, float* __restrict__ out_o,
+                                                          float* __restrict__ out_lse, Merge&& merge) {
   const SegmentRows seg(a, b, row0);
   const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, tig = lane % 4;
   const int num_tiles = (k_end - k_begin + BN - 1) / BN, padded_tiles = num_tiles + (num_tiles & 1);
@@ -44,9 +45,11 @@ __device__ __forceinline__ void verify_segment_split_keys(Smem& sm, const Args& 
     // while QK runs: the next step's tiles into the stages of the last, and the slot ids of the step after
 #pragma unroll 1
     for (int j = 2; j < 4; ++j)
-      if (t0 + j < padded_tiles) load_kv_tile(sm, (t0 + j) % VMLA_STAGES, (t0 + j) % IDX_RING, a.kv_buffer, k_begin + (t0 + j) * BN, k_end);
+      if (t0 + j < padded_tiles)
+        load_kv_tile(sm, (t0 + j) % VMLA_STAGES, (t0 + j) % IDX_RING, a.kv_buffer, k_begin + (t0 + j) * BN, k_end);
 #pragma unroll
-    for (int j = 4; j < 6; ++j) load_tile_slots(sm.idx[(t0 + j) % IDX_RING], seg.kv_idx, k_begin + (t0 + j) * BN, k_end);
+    for (int j = 4; j < 6; ++j)
+      load_tile_slots(sm.idx[(t0 + j) % IDX_RING], seg.kv_idx, k_begin + (t0 + j) * BN, k_end);
     cp_async_commit();
     VMLA_PHASE(1);
     wg_wait<0>();
@@ -55,7 +58,8 @@ __device__ __forceinline__ void verify_segment_split_keys(Smem& sm, const Args& 
     score_rows(s, x);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      mx[h] = masked_row_max(x[h], visible_keys<BN>(a, k_begin + mine * BN, k_end, seg.prefix, rows.valid[h], rows.token[h]), a, tig);
+      mx[h] = masked_row_max(
+          x[h], visible_keys<BN>(a, k_begin + mine * BN, k_end, seg.prefix, rows.valid[h], rows.token[h]), a, tig);
       if (tig == 0) sm.s[wg][rows.r_lo + 8 * h][0] = mx[h];
     }
     VMLA_PHASE(3);

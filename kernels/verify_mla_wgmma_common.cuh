@@ -28,11 +28,11 @@ namespace vmla_wg {
 using namespace vmla;
 
 constexpr int BM = 64, BN = VMLA_BN, NUM_THREADS = 256;
-constexpr int ATOMS = VMLA_DIM / 64;            // 9 atoms of 64 dims
-constexpr int KSTEPS_PER_WG = KSTEPS / 2;       // 18 k16 steps of QK per warpgroup
-constexpr int NT = BN / 8;                      // n8 tiles of keys in a score tile
-constexpr int PV_N = VMLA_VDIM / 2;             // output columns per warpgroup
-constexpr int SX_STRIDE = BN + 8;               // fp32 per row of a partial-score buffer (2-way bank conflicts)
+constexpr int ATOMS = VMLA_DIM / 64;       // 9 atoms of 64 dims
+constexpr int KSTEPS_PER_WG = KSTEPS / 2;  // 18 k16 steps of QK per warpgroup
+constexpr int NT = BN / 8;                 // n8 tiles of keys in a score tile
+constexpr int PV_N = VMLA_VDIM / 2;        // output columns per warpgroup
+constexpr int SX_STRIDE = BN + 8;          // fp32 per row of a partial-score buffer (2-way bank conflicts)
 // Rows of tile t + LOAD_AHEAD are requested at tile t (the pipelined loop keeps one more stage for the P V in
 // flight); their slot ids SLOT_AHEAD tiles ahead, so they have landed by then.
 constexpr int LOAD_AHEAD = VMLA_STAGES - 1 - (VMLA_WG_PIPE ? 1 : 0);
@@ -44,23 +44,25 @@ static_assert(LOAD_AHEAD >= 1, "the pipelined loop needs 3 stages");
 static_assert(!VMLA_SPLIT_KEYS || (VMLA_STAGES == 4 && VMLA_WG_PIPE == 0),
               "the split_keys loop is 4 stages: a 64-key step and the next, loaded a step ahead");
 static_assert(VMLA_WG_PIPE == 0 || VMLA_WG_PIPE == 1, "VMLA_WG_PIPE: 0 (QK then P V per tile) or 1 (pipelined)");
-static_assert(BN == 32 && NT == 4, "the score fragments (wgmma_qk), the mask word and the PV k-steps assume 32-key tiles");
+static_assert(BN == 32 && NT == 4,
+              "the score fragments (wgmma_qk), the mask word and the PV k-steps assume 32-key tiles");
 static_assert(VMLA_BM == 64 && VMLA_WARPS == 8, "the wgmma path is 64 rows, two warpgroups");
 
 struct Smem {
-  __nv_bfloat16 q[ATOMS][BM][64];               // 1024-byte aligned atoms (the block's base is)
+  __nv_bfloat16 q[ATOMS][BM][64];  // 1024-byte aligned atoms (the block's base is)
   __nv_bfloat16 kv[VMLA_STAGES][ATOMS][BN][64];
-  __nv_bfloat16 p[2][BM][BN];                   // the few-row segment's P; the split_keys loop's P fragments
+  __nv_bfloat16 p[2][BM][BN];  // the few-row segment's P; the split_keys loop's P fragments
 #if VMLA_SPLIT_KEYS
-  float s[2][BM][2];                            // each warpgroup's row maxima and sums (then the fused merge's weights)
+  float s[2][BM][2];  // each warpgroup's row maxima and sums (then the fused merge's weights)
 #else
-  float s[2][BM][SX_STRIDE];                    // each warpgroup's partial scores (then the fused merge's weights)
+  float s[2][BM][SX_STRIDE];  // each warpgroup's partial scores (then the fused merge's weights)
 #endif
   int idx[IDX_RING][BN];
   int flag[4];
 };
 static_assert(sizeof(Smem::q) % 1024 == 0 && sizeof(Smem::kv[0]) % 1024 == 0, "atoms stay 1024-byte aligned");
-static_assert(VMLA_FUSED_MERGE_SEGS * BM * sizeof(float) <= sizeof(Smem::s), "the fused merge's weights fit the score buffer");
+static_assert(VMLA_FUSED_MERGE_SEGS * BM * sizeof(float) <= sizeof(Smem::s),
+              "the fused merge's weights fit the score buffer");
 
 // Registers an in-flight wgmma reads or writes: keep the compiler from moving their uses above the wait (or
 // reusing P's registers before it), as if the wait had written them.
@@ -75,18 +77,21 @@ __device__ __forceinline__ void fence_operands(T (&r)[A][B]) {
 }
 // acc += P V over one k16 step of keys: P = 64 x 16 from registers (mma.sync A-fragment layout), V = 16 keys x 256
 // columns (desc, N-major). The 128 accumulators are operands 0-127.
-#define VMLA_D128 \
-  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28," \
+#define VMLA_D128                                                                                                \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,"  \
   "%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55," \
   "%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82," \
   "%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107," \
   "%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}"
-#define VMLA_ACC8(i) "+f"(acc[i][0]), "+f"(acc[i][1]), "+f"(acc[i][2]), "+f"(acc[i][3]), \
-  "+f"(acc[i + 1][0]), "+f"(acc[i + 1][1]), "+f"(acc[i + 1][2]), "+f"(acc[i + 1][3])
-#define VMLA_ACC128 VMLA_ACC8(0), VMLA_ACC8(2), VMLA_ACC8(4), VMLA_ACC8(6), VMLA_ACC8(8), VMLA_ACC8(10), \
-  VMLA_ACC8(12), VMLA_ACC8(14), VMLA_ACC8(16), VMLA_ACC8(18), VMLA_ACC8(20), VMLA_ACC8(22), VMLA_ACC8(24), \
-  VMLA_ACC8(26), VMLA_ACC8(28), VMLA_ACC8(30)
-#define VMLA_PV_OP "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " VMLA_D128
+#define VMLA_ACC8(i)                                                                                            \
+  "+f"(acc[i][0]), "+f"(acc[i][1]), "+f"(acc[i][2]), "+f"(acc[i][3]), "+f"(acc[i + 1][0]), "+f"(acc[i + 1][1]), \
+      "+f"(acc[i + 1][2]), "+f"(acc[i + 1][3])
+#define VMLA_ACC128                                                                                                  \
+  VMLA_ACC8(0), VMLA_ACC8(2), VMLA_ACC8(4), VMLA_ACC8(6), VMLA_ACC8(8), VMLA_ACC8(10), VMLA_ACC8(12), VMLA_ACC8(14), \
+      VMLA_ACC8(16), VMLA_ACC8(18), VMLA_ACC8(20), VMLA_ACC8(22), VMLA_ACC8(24), VMLA_ACC8(26), VMLA_ACC8(28),       \
+      VMLA_ACC8(30)
+#define VMLA_PV_OP \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " VMLA_D128
 __device__ __forceinline__ void wgmma_pv(float (&acc)[PV_N / 8][4], const uint32_t (&pa)[4], uint64_t db) {
   asm volatile(VMLA_PV_OP ", {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
                : VMLA_ACC128
@@ -94,9 +99,7 @@ __device__ __forceinline__ void wgmma_pv(float (&acc)[PV_N / 8][4], const uint32
 }
 // acc += P V over one k16 step, P = 64 x 16 from shared memory (desc, K-major), V = 16 keys x 256 (desc, N-major).
 __device__ __forceinline__ void wgmma_pv_ss(float (&acc)[PV_N / 8][4], uint64_t da, uint64_t db) {
-  asm volatile(VMLA_PV_OP ", %128, %129, p, 1, 1, 0, 1;\n}\n"
-               : VMLA_ACC128
-               : "l"(da), "l"(db));
+  asm volatile(VMLA_PV_OP ", %128, %129, p, 1, 1, 0, 1;\n}\n" : VMLA_ACC128 : "l"(da), "l"(db));
 }
 #undef VMLA_PV_OP
 #undef VMLA_ACC128
@@ -106,7 +109,9 @@ __device__ __forceinline__ void wgmma_pv_ss(float (&acc)[PV_N / 8][4], uint64_t 
 // Element offset of 16-byte chunk c (of 72) of row r in swizzled atoms of ROWS rows: atom c / 8 at ROWS * 64
 // elements a step, chunk c % 8 of the row at (c % 8) ^ (r % 8).
 template <int ROWS>
-__device__ __forceinline__ int swizzled(int r, int c) { return ((c / 8) * ROWS + r) * 64 + (((c % 8) ^ (r % 8)) * 8); }
+__device__ __forceinline__ int swizzled(int r, int c) {
+  return ((c / 8) * ROWS + r) * 64 + (((c % 8) ^ (r % 8)) * 8);
+}
 
 // Copy ROWS rows of 576 bf16 into swizzled atoms (dst = atom 0 of ROWS rows; atom a at dst + a * ROWS * 64):
 // NUM_THREADS / ROWS threads a row, 16-byte cp.async each; rows where row_src is null are zero-filled.
@@ -126,9 +131,10 @@ __device__ __forceinline__ void gather_swizzled(__nv_bfloat16* dst, RowSrc row_s
 __device__ __forceinline__ void load_kv_tile(Smem& sm, int stage, int slot, const __nv_bfloat16* __restrict__ kv_buffer,
                                              int k0, int k_end) {
 #ifndef VMLA_SKIP_LOAD
-  gather_swizzled<BN>(&sm.kv[stage][0][0][0], [&](int r) {
-    return k0 + r < k_end ? kv_buffer + static_cast<int64_t>(sm.idx[slot][r]) * VMLA_DIM : nullptr;
-  }, kv_buffer);
+  gather_swizzled<BN>(
+      &sm.kv[stage][0][0][0],
+      [&](int r) { return k0 + r < k_end ? kv_buffer + static_cast<int64_t>(sm.idx[slot][r]) * VMLA_DIM : nullptr; },
+      kv_buffer);
 #endif
 }
 
@@ -211,12 +217,16 @@ __device__ __forceinline__ void issue_qk_steps(float (&s)[NT][4], uint64_t dq, u
 // This warpgroup's half of the dims (18 k-steps) of the tile in `stage`.
 __device__ __forceinline__ void issue_qk(float (&s)[NT][4], Smem& sm, int stage, int wg) {
   const uint64_t dq = desc(&sm.q[0][0][0], 16, 1024), dk = desc(&sm.kv[stage][0][0][0], 16, 1024);
-  if (wg == 0) issue_qk_steps<0, KSTEPS_PER_WG>(s, dq, dk); else issue_qk_steps<KSTEPS_PER_WG, KSTEPS_PER_WG>(s, dq, dk);
+  if (wg == 0)
+    issue_qk_steps<0, KSTEPS_PER_WG>(s, dq, dk);
+  else
+    issue_qk_steps<KSTEPS_PER_WG, KSTEPS_PER_WG>(s, dq, dk);
 }
 
 // acc += P V for warpgroup wg's 256 output columns over the 32 keys of the tile in `stage`, P (both k16 steps)
 // from registers (asynchronous: one commit group).
-__device__ __forceinline__ void issue_pv(float (&acc)[PV_N / 8][4], const uint32_t (&pa)[2][4], Smem& sm, int stage, int wg) {
+__device__ __forceinline__ void issue_pv(float (&acc)[PV_N / 8][4], const uint32_t (&pa)[2][4], Smem& sm, int stage,
+                                         int wg) {
   wg_fence();
 #ifndef VMLA_SKIP_PV
 #pragma unroll
@@ -229,7 +239,8 @@ __device__ __forceinline__ void issue_pv(float (&acc)[PV_N / 8][4], const uint32
 struct WgRows {
   int r_lo, token[2];
   bool valid[2];
-  __device__ __forceinline__ WgRows(const SegmentRows& seg, int row0, int num_heads, int warp, int g) : r_lo(warp * 16 + g) {
+  __device__ __forceinline__ WgRows(const SegmentRows& seg, int row0, int num_heads, int warp, int g)
+      : r_lo(warp * 16 + g) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       valid[h] = r_lo + 8 * h < seg.valid_rows;
@@ -242,8 +253,10 @@ struct WgRows {
 __device__ __forceinline__ void score_rows(const float (&s)[NT][4], float (&x)[2][8]) {
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
-    x[0][j * 2] = s[j][0]; x[0][j * 2 + 1] = s[j][1];
-    x[1][j * 2] = s[j][2]; x[1][j * 2 + 1] = s[j][3];
+    x[0][j * 2] = s[j][0];
+    x[0][j * 2 + 1] = s[j][1];
+    x[1][j * 2] = s[j][2];
+    x[1][j * 2 + 1] = s[j][3];
   }
 }
 // The accumulator rows times their alpha (skipped where neither row moved its max).
@@ -251,8 +264,10 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[PV_N / 8][4], const fl
   if (alpha[0] != 1.f || alpha[1] != 1.f) {
 #pragma unroll
     for (int i = 0; i < PV_N / 8; ++i) {
-      acc[i][0] *= alpha[0]; acc[i][1] *= alpha[0];
-      acc[i][2] *= alpha[1]; acc[i][3] *= alpha[1];
+      acc[i][0] *= alpha[0];
+      acc[i][1] *= alpha[0];
+      acc[i][2] *= alpha[1];
+      acc[i][3] *= alpha[1];
     }
   }
 }
@@ -270,7 +285,8 @@ __device__ __forceinline__ void pack_p(const float (&x)[2][8], uint32_t (&pa)[2]
 // Epilogue of warpgroup wg's 256 output columns for this thread's two rows (st[h].l: the row's whole sum):
 // o, or the partial out_o[64][512]; the LSE from warpgroup 0.
 __device__ __forceinline__ void store_rows(const float (&acc)[PV_N / 8][4], const RowState (&st)[2], const WgRows& rows,
-                                           int wg, int tig, const Args& a, int64_t grow0, float* out_o, float* out_lse) {
+                                           int wg, int tig, const Args& a, int64_t grow0, float* out_o,
+                                           float* out_lse) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = rows.r_lo + 8 * h;
@@ -300,7 +316,8 @@ __device__ __forceinline__ void sum_row_shares(RowState& st) {
 template <int QROWS, int SLOTS, int LOADS>
 __device__ __forceinline__ void start_segment(Smem& sm, const Args& a, const SegmentRows& seg, int row0, int k_begin,
                                               int k_end, int num_tiles) {
-  gather_swizzled<QROWS>(&sm.q[0][0][0], [&](int r) { return row0 + r < seg.rows ? a.q + (seg.grow0 + r) * VMLA_DIM : nullptr; }, a.q);
+  gather_swizzled<QROWS>(
+      &sm.q[0][0][0], [&](int r) { return row0 + r < seg.rows ? a.q + (seg.grow0 + r) * VMLA_DIM : nullptr; }, a.q);
 #pragma unroll
   for (int j = 0; j < SLOTS; ++j) load_tile_slots(sm.idx[j], seg.kv_idx, k_begin + j * BN, k_end);
   cp_async_commit();
