@@ -29,10 +29,12 @@ lab: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# ruff (configured in pyproject.toml): lint and formatting of the package, tests, tools and experiments
+# ruff (configured in pyproject.toml): lint and formatting of the package, tests, tools and experiments; clang-format
+# (kernels/.clang-format): the kernels' formatting (the same checks as .pre-commit-config.yaml)
 lint: $(STAMP)
 	$(BIN)/ruff check kdtree tests tools experiments
 	$(BIN)/ruff format --check kdtree tests tools experiments
+	$(BIN)/clang-format --style=file --dry-run --Werror kernels/*.cu kernels/*.cuh
 
 # On a machine with a CUDA GPU, torch, CuPy and triton (e.g. the lent H200: `tools/gpu_session.sh all`
 # does these in one call). Without a GPU the GPU tests skip with a reason.

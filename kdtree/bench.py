@@ -54,8 +54,8 @@ class BenchCase:
         return dataclasses.replace(self, name=f"{self.name} chain", chain=True)
 
 
-# The eight cases of ../shared/docs/anchors.md
-CASES = [
+# The eight anchor cases (../shared/docs/anchors.md)
+ANCHOR_CASES = [
     BenchCase("kimi-tp8 small tree", "kimi-k2-tp8", (2048,) * 16, 17),
     BenchCase("kimi-tp8 ddtree64 4k", "kimi-k2-tp8", (4096,), 65),
     BenchCase("kimi-tp8 ddtree64 8k x8", "kimi-k2-tp8", (8192,) * 8, 65),
@@ -66,15 +66,16 @@ CASES = [
     BenchCase("kimi-tp8 mixed", "kimi-k2-tp8", (100, 1500, 7000, 20000, 3, 45000), 65),
 ]
 
-# Shapes outside the eight (issue 17): the largest DDTree budget at 8k, DP attention's 64 heads at 32k x8, a
+# Shapes outside the eight anchors: the largest DDTree budget at 8k, DP attention's 64 heads at 32k x8, a
 # chain-less step (64 requests of one token at 4k), DeepSeek-V3 with a 256 budget at 32k x2
-V2_CASES = [
+EXTRA_CASES = [
     BenchCase("kimi-tp8 ddtree1024 8k", "kimi-k2-tp8", (8192,), 1025),
     BenchCase("kimi-dp ddtree32 32k x8", "kimi-k2-dp", (32768,) * 8, 33),
     BenchCase("kimi-tp8 64 x N1 4k", "kimi-k2-tp8", (4096,) * 64, 1),
     BenchCase("dsv3-tp8 ddtree256 32k x2", "deepseek-v3-tp8", (32768,) * 2, 257),
 ]
-ALL_CASES = CASES + V2_CASES
+# What `kdtree bench` times: the anchors, then the shapes outside them (twelve)
+BENCH_CASES = ANCHOR_CASES + EXTRA_CASES
 
 # Probe cases for experiments (tools/variants.py, tools/trace_case.py; not benchmarked): the small tree's
 # 16 x 2,048 prefixes at other tree sizes, to see what the rows past the last full 64-row tile cost
@@ -84,7 +85,7 @@ PROBE_CASES = [BenchCase(f"small tree N{n}", "kimi-k2-tp8", (2048,) * 16, n) for
 
 def select_cases(patterns: list[str], *, probes: bool = False) -> list[BenchCase]:
     """Bench cases whose name contains one of `patterns`, then (probes) the probe cases named exactly."""
-    picked = [c for c in ALL_CASES if any(p in c.name for p in patterns)]
+    picked = [c for c in BENCH_CASES if any(p in c.name for p in patterns)]
     return picked + [c for c in PROBE_CASES if probes and c.name in patterns]
 
 
@@ -303,7 +304,7 @@ class CaseResult:
 
 
 def run(
-    cases=ALL_CASES,
+    cases=BENCH_CASES,
     *,
     with_sglang: bool = True,
     with_flashinfer: bool = False,

@@ -333,7 +333,7 @@ def plan_(
 
         picked = b.select_cases(case)
         if not picked:
-            raise BadInput(f"--case matches none of: {', '.join(c.name for c in b.ALL_CASES)}")
+            raise BadInput(f"--case matches none of: {', '.join(c.name for c in b.BENCH_CASES)}")
         batches += [(c.name, synthesize(c.spec(), reference=False)) for c in picked]
     configs = KernelConfig.candidates(target)
     l2_bytes = int(l2_mib * 2**20)
@@ -424,16 +424,16 @@ def bench(
             raise BadInput("kdtree bench --sglang needs SGLang (pip install -e '.[sglang]')")
         from kdtree.sglang import bench as sb
 
-        picked = [c for c in sb.CASES if not case or any(p in c.name for p in case)]
+        picked = [c for c in sb.SERVING_CASES if not case or any(p in c.name for p in case)]
         if not picked:
-            raise BadInput(f"--case matches none of: {', '.join(c.name for c in sb.CASES)}")
+            raise BadInput(f"--case matches none of: {', '.join(c.name for c in sb.SERVING_CASES)}")
         result = sb.run(picked, log=typer.echo)
         sb.save(result, out / "bench-sglang.json")
         typer.echo(f"wrote {out / 'bench-sglang.json'}")
         return
-    cases = b.select_cases(case) if case else list(b.ALL_CASES)
+    cases = b.select_cases(case) if case else list(b.BENCH_CASES)
     if not cases:
-        raise BadInput(f"--case matches none of: {', '.join(c.name for c in b.ALL_CASES)}")
+        raise BadInput(f"--case matches none of: {', '.join(c.name for c in b.BENCH_CASES)}")
     if chain:
         cases = [c.as_chain() for c in cases]
     backends = (flashinfer_backend,) if flashinfer_backend else None

@@ -42,11 +42,11 @@ __device__ __forceinline__ void gather(const __nv_bfloat16* __restrict__ pool, c
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(THREADS) gather_2(const __nv_bfloat16* pool, const int* slots, int slot_mask,
-                                                               int tiles, unsigned* out) {
+extern "C" __global__ void __launch_bounds__(THREADS)
+    gather_2(const __nv_bfloat16* pool, const int* slots, int slot_mask, int tiles, unsigned* out) {
   gather<2>(pool, slots, slot_mask, tiles, out);
 }
-extern "C" __global__ void __launch_bounds__(THREADS) gather_4(const __nv_bfloat16* pool, const int* slots, int slot_mask,
-                                                               int tiles, unsigned* out) {
+extern "C" __global__ void __launch_bounds__(THREADS)
+    gather_4(const __nv_bfloat16* pool, const int* slots, int slot_mask, int tiles, unsigned* out) {
   gather<4>(pool, slots, slot_mask, tiles, out);
 }

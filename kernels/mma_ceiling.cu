@@ -1,8 +1,8 @@
 // The bf16 mma.sync rate of the present GPU, the ceiling of the code path sm_120 runs (docs/kernel-design.md,
 // "The two numbers"): mma_raw issues m16n8k16 MMAs on operands held in registers, CHAINS independent
-// accumulators a warp (8 by default: enough that the tensor pipe never waits on a result); mma_ldmatrix feeds every MMA through
-// ldmatrix from shared memory, as a real tile does (per k32 step of a warp: 2 A loads, 4 B loads, 8 MMAs).
-// Each thread writes the sum of its accumulators, so nothing is optimised away.
+// accumulators a warp (8 by default: enough that the tensor pipe never waits on a result); mma_ldmatrix feeds every MMA
+// through ldmatrix from shared memory, as a real tile does (per k32 step of a warp: 2 A loads, 4 B loads, 8 MMAs). Each
+// thread writes the sum of its accumulators, so nothing is optimised away.
 #include <cuda_bf16.h>
 
 #include "verify_mla_ptx.cuh"
@@ -18,7 +18,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) mma_raw(float* out, int it
   uint32_t a[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) a[i] = 0x3f803f80u ^ ((lane + i) & 7u);  // bf16 pairs near 1.0
-  const uint32_t b0 = 0x3c003c00u ^ (lane & 3u), b1 = b0 ^ 1u;       // near 2^-7
+  const uint32_t b0 = 0x3c003c00u ^ (lane & 3u), b1 = b0 ^ 1u;         // near 2^-7
   float acc[CHAINS][4];
 #pragma unroll
   for (int c = 0; c < CHAINS; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.f;
@@ -33,7 +33,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) mma_raw(float* out, int it
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) mma_ldmatrix(float* out, int iters) {
-  constexpr int K = 32, PAD = 8;                      // a k32 step; rows padded by 16 B (conflict-free ldmatrix)
+  constexpr int K = 32, PAD = 8;                           // a k32 step; rows padded by 16 B (conflict-free ldmatrix)
   __shared__ __align__(16) __nv_bfloat16 sa[64][K + PAD];  // A: 64 rows (4 m16 tiles) x k32
   __shared__ __align__(16) __nv_bfloat16 sb[32][K + PAD];  // B: 32 keys (4 n8 tiles) x k32
   for (int i = threadIdx.x; i < 64 * (K + PAD); i += THREADS)

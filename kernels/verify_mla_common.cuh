@@ -11,16 +11,16 @@
 
 namespace vmla {
 
-constexpr int ROW_STRIDE = VMLA_DIM + 8;  // bf16 elems per staged row; +16 B keeps ldmatrix conflict-free
+constexpr int ROW_STRIDE = VMLA_DIM + 8;        // bf16 elems per staged row; +16 B keeps ldmatrix conflict-free
 constexpr int S_STRIDE = VMLA_BN + VMLA_S_PAD;  // fp32 elems per partial-score row
-constexpr int P_STRIDE = VMLA_BN + 8;     // bf16 elems per P row
+constexpr int P_STRIDE = VMLA_BN + 8;           // bf16 elems per P row
 static_assert(VMLA_S_PAD > 0 || VMLA_BN == 16, "unpadded partial-score rows (VMLA_S_PAD 0) are swizzled for BN 16");
 
 // Column col of partial-score row `row` in shared memory: unpadded rows of 16 floats (VMLA_S_PAD 0) swap their
 // halves on rows 2-3 mod 4, which keeps the fragment stores (4 rows a phase) and the softmax's float4 reads
 // (2 rows) conflict-free; padded rows are as they are.
 __device__ __forceinline__ int s_col(int row, int col) { return VMLA_S_PAD == 0 ? col ^ (((row >> 1) & 1) << 3) : col; }
-constexpr int KSTEPS = VMLA_DIM / 16;     // k16 steps of QK over the 576 dims
+constexpr int KSTEPS = VMLA_DIM / 16;  // k16 steps of QK over the 576 dims
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 #define VMLA_NEG_INF (-__int_as_float(0x7f800000))
@@ -59,15 +59,16 @@ struct Args {
   const int* __restrict__ tree_mask;            // [T, mask_words]
   int mask_words, num_heads;
   float sm_scale, logit_cap;
-  __nv_bfloat16* __restrict__ o;                // [T * H, 512]
-  float* __restrict__ lse;                      // [T * H] or null
+  __nv_bfloat16* __restrict__ o;  // [T * H, 512]
+  float* __restrict__ lse;        // [T * H] or null
 };
 
 // Bit c is set where key key0 + c (c < COLS) is visible to the row: below k_end, and a prefix key, or a draft
 // key whose bit is set in the row's tree mask (rows past the request's last see every key below k_end). The
 // COLS keys touch at most two mask words, each read once; a thread of prefix keys reads none.
 template <int COLS>
-__device__ __forceinline__ uint32_t visible_keys(const Args& a, int key0, int k_end, int prefix, bool row_valid, int token) {
+__device__ __forceinline__ uint32_t visible_keys(const Args& a, int key0, int k_end, int prefix, bool row_valid,
+                                                 int token) {
   static_assert(COLS <= 32, "a thread's keys fit one word of bits");
   constexpr uint32_t ALL = COLS == 32 ? 0xffffffffu : (1u << (COLS % 32)) - 1u;
   const int live = k_end - key0;  // keys below k_end
@@ -90,15 +91,18 @@ __device__ __forceinline__ uint32_t visible_keys(const Args& a, int key0, int k_
 
 // What a segment (rows [row0, row0 + BM) of request b) needs of its request.
 struct SegmentRows {
-  int q0;              // the request's first token
-  int rows;            // its rows (tokens x heads)
-  int prefix;          // its prefix length (keys below it are always visible)
-  const int* kv_idx;   // its combined slot list (prefix kv_indices ++ out_cache_loc)
-  int64_t grow0;       // global row (token * H + head) of the segment's first row
-  int valid_rows;      // rows of the segment below this are real (< BM in a request's last row tile)
+  int q0;             // the request's first token
+  int rows;           // its rows (tokens x heads)
+  int prefix;         // its prefix length (keys below it are always visible)
+  const int* kv_idx;  // its combined slot list (prefix kv_indices ++ out_cache_loc)
+  int64_t grow0;      // global row (token * H + head) of the segment's first row
+  int valid_rows;     // rows of the segment below this are real (< BM in a request's last row tile)
   __device__ __forceinline__ SegmentRows(const Args& a, int b, int row0)
-      : q0(a.qo_indptr[b]), rows((a.qo_indptr[b + 1] - q0) * a.num_heads), prefix(a.prefix_lens[b]),
-        kv_idx(a.kv_indices + a.kv_indptr[b]), grow0(static_cast<int64_t>(q0) * a.num_heads + row0),
+      : q0(a.qo_indptr[b]),
+        rows((a.qo_indptr[b + 1] - q0) * a.num_heads),
+        prefix(a.prefix_lens[b]),
+        kv_idx(a.kv_indices + a.kv_indptr[b]),
+        grow0(static_cast<int64_t>(q0) * a.num_heads + row0),
         valid_rows(rows - row0) {}
 };
 
@@ -189,9 +193,15 @@ __device__ __forceinline__ void sum_partials(float (&x)[COLS], const float* s0, 
 #pragma unroll
     for (int d = 1; d < DSLICES; ++d) {
       const float4 w = *reinterpret_cast<const float4*>(s0 + d * slice_stride + c4);
-      v.x += w.x; v.y += w.y; v.z += w.z; v.w += w.w;
+      v.x += w.x;
+      v.y += w.y;
+      v.z += w.z;
+      v.w += w.w;
     }
-    x[c4] = v.x; x[c4 + 1] = v.y; x[c4 + 2] = v.z; x[c4 + 3] = v.w;
+    x[c4] = v.x;
+    x[c4 + 1] = v.y;
+    x[c4 + 2] = v.z;
+    x[c4 + 3] = v.w;
   }
 }
 
@@ -248,8 +258,10 @@ __device__ __forceinline__ void rescale_acc(float (&acc)[MTILES][NTILES][4], con
     const float a_lo = alpha[mi * 16 + g], a_hi = alpha[mi * 16 + g + 8];
 #pragma unroll
     for (int ni = 0; ni < NTILES; ++ni) {
-      acc[mi][ni][0] *= a_lo; acc[mi][ni][1] *= a_lo;
-      acc[mi][ni][2] *= a_hi; acc[mi][ni][3] *= a_hi;
+      acc[mi][ni][0] *= a_lo;
+      acc[mi][ni][1] *= a_lo;
+      acc[mi][ni][2] *= a_hi;
+      acc[mi][ni][3] *= a_hi;
     }
   }
 }
@@ -257,41 +269,41 @@ __device__ __forceinline__ void rescale_acc(float (&acc)[MTILES][NTILES][4], con
 // O += P V for one warp: the m16 tiles of P ([rows][P_STRIDE]; tiles at or past valid_rows skipped) times the
 // stage's V columns [col0, col0 + 8 * NTILES) over the tile's BN keys.
 template <int MTILES, int NTILES>
-__device__ __forceinline__ void pv_step(float (&acc)[MTILES][NTILES][4], const __nv_bfloat16* p,
-                                        const __nv_bfloat16* v, int col0, int valid_rows, int lane) {
+__device__ __forceinline__ void pv_step(float (&acc)[MTILES][NTILES][4], const __nv_bfloat16* p, const __nv_bfloat16* v,
+                                        int col0, int valid_rows, int lane) {
   constexpr int GROUP = NTILES < VMLA_PV_GROUP ? NTILES : VMLA_PV_GROUP;  // n8 tiles per P fragment load
 #pragma unroll
   for (int ng = 0; ng < NTILES; ng += GROUP)
 #pragma unroll
-  for (int kk = 0; kk < VMLA_BN / 16; ++kk) {
-    uint32_t pa[MTILES][4];
+    for (int kk = 0; kk < VMLA_BN / 16; ++kk) {
+      uint32_t pa[MTILES][4];
 #pragma unroll
-    for (int mi = 0; mi < MTILES; ++mi)
-      if (mi * 16 < valid_rows) load_a_frag<P_STRIDE>(pa[mi], p, mi * 16, kk * 16, lane);
+      for (int mi = 0; mi < MTILES; ++mi)
+        if (mi * 16 < valid_rows) load_a_frag<P_STRIDE>(pa[mi], p, mi * 16, kk * 16, lane);
 #pragma unroll
-    for (int np = ng; np < ng + GROUP; np += 2) {
-      uint32_t vb[4];
-      const int key = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-      ldmatrix_x4_trans(vb, v + key * ROW_STRIDE + col0 + np * 8 + (lane / 16) * 8);
+      for (int np = ng; np < ng + GROUP; np += 2) {
+        uint32_t vb[4];
+        const int key = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+        ldmatrix_x4_trans(vb, v + key * ROW_STRIDE + col0 + np * 8 + (lane / 16) * 8);
 #ifndef VMLA_SKIP_PV
 #pragma unroll
-      for (int mi = 0; mi < MTILES; ++mi) {
-        if (mi * 16 >= valid_rows) continue;  // padding rows: no work
-        mma_bf16(acc[mi][np], pa[mi], vb[0], vb[1]);
-        mma_bf16(acc[mi][np + 1], pa[mi], vb[2], vb[3]);
-      }
+        for (int mi = 0; mi < MTILES; ++mi) {
+          if (mi * 16 >= valid_rows) continue;  // padding rows: no work
+          mma_bf16(acc[mi][np], pa[mi], vb[0], vb[1]);
+          mma_bf16(acc[mi][np + 1], pa[mi], vb[2], vb[3]);
+        }
 #else
-      acc[0][np][0] += __uint_as_float(vb[0] ^ vb[3] ^ pa[0][0]);
+        acc[0][np][0] += __uint_as_float(vb[0] ^ vb[3] ^ pa[0][0]);
 #endif
+      }
     }
-  }
 }
 
 // Write one warp's fp32 QK partial (m16 tiles from row r0, n8 tiles of keys from col0) to s[rows][S_STRIDE];
 // m16 tiles holding no row below valid_rows are skipped.
 template <int MTILES, int NTILES>
-__device__ __forceinline__ void store_scores(float* s, const float (&x)[MTILES][NTILES][4], int r0, int col0, int valid_rows,
-                                             int lane) {
+__device__ __forceinline__ void store_scores(float* s, const float (&x)[MTILES][NTILES][4], int r0, int col0,
+                                             int valid_rows, int lane) {
   const int g = lane / 4, tig = lane % 4;
 #pragma unroll
   for (int mi = 0; mi < MTILES; ++mi)
@@ -331,42 +343,52 @@ template <int N>
 __device__ __forceinline__ MergeWeights merge_weights(const float (&l)[N], int segs) {
   return merge_weights_of<N>(segs, [&](int s) { return l[s]; });
 }
-__device__ __forceinline__ float merged_lse(const MergeWeights& w) { return w.wsum > 0.f ? w.m_use + logf(w.wsum) : VMLA_NEG_INF; }
+__device__ __forceinline__ float merged_lse(const MergeWeights& w) {
+  return w.wsum > 0.f ? w.m_use + logf(w.wsum) : VMLA_NEG_INF;
+}
 // The weight of the partial whose LSE is lse_s.
-__device__ __forceinline__ float merge_weight(float lse_s, const MergeWeights& w) { return __expf(lse_s - w.m_use) * w.inv; }
+__device__ __forceinline__ float merge_weight(float lse_s, const MergeWeights& w) {
+  return __expf(lse_s - w.m_use) * w.inv;
+}
 __device__ __forceinline__ void store_bf16x4(__nv_bfloat16* dst, const float4& v) {
   reinterpret_cast<__nv_bfloat162*>(dst)[0] = __floats2bfloat162_rn(v.x, v.y);
   reinterpret_cast<__nv_bfloat162*>(dst)[1] = __floats2bfloat162_rn(v.z, v.w);
 }
 __device__ __forceinline__ void add_weighted(float4& acc, float w, const float4& v) {
-  acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+  acc.x += w * v.x;
+  acc.y += w * v.y;
+  acc.z += w * v.z;
+  acc.w += w * v.w;
 }
 
 }  // namespace vmla
 
 // Combine the partials of every row whose tile was split across blocks, through their LSEs (rows of
-// tiles written whole by one block are left alone). One block of 64 or 128 threads per row (kdtree.kernel.MERGE_THREADS); row_merge[row] = (the
-// row's line in the partial slots: first slot * BM + row in tile, number of partials), from the plan, so that a
-// block reads it and then only the partials (no search for the row's request and tile).
-// Launched as a programmatic dependent of verify_mla_fwd where the host can (kdtree.kernel.launch_dependent):
-// its blocks may start while the forward kernel runs; griddepcontrol.wait holds them until its partials are
-// complete and visible (a no-op after a plain launch).
+// tiles written whole by one block are left alone). One block of 64 or 128 threads per row
+// (kdtree.kernel.MERGE_THREADS); row_merge[row] = (the row's line in the partial slots: first slot * BM + row in tile,
+// number of partials), from the plan, so that a block reads it and then only the partials (no search for the row's
+// request and tile). Launched as a programmatic dependent of verify_mla_fwd where the host can
+// (kdtree.kernel.launch_dependent): its blocks may start while the forward kernel runs; griddepcontrol.wait holds them
+// until its partials are complete and visible (a no-op after a plain launch).
 constexpr int MERGE_REG_SEGS = 8;  // rows with at most this many partials keep them all in registers ...
 #ifndef VMLA_MERGE_VECS
 #define VMLA_MERGE_VECS 2
 #endif
 constexpr int MERGE_VECS = VMLA_MERGE_VECS;  // ... up to this many float4 of the row a thread (2: blocks of >= 64)
 #ifndef VMLA_MERGE_STAGED
-#define VMLA_MERGE_STAGED 1  // rows of more partials: their LSEs staged in shared memory, then MERGE_REG_SEGS partials
-                             // loaded at a time (0: each LSE and partial loaded as it is added, one load in flight)
+#define VMLA_MERGE_STAGED \
+  1  // rows of more partials: their LSEs staged in shared memory, then MERGE_REG_SEGS partials
+     // loaded at a time (0: each LSE and partial loaded as it is added, one load in flight)
 #endif
 constexpr int MERGE_STAGED_SEGS = 1024;  // (a row has at most one partial a block of the grid; more: the loop below)
-constexpr int64_t MERGE_O_STRIDE = static_cast<int64_t>(VMLA_BM) * VMLA_VDIM;  // floats from one partial slot to the next
+constexpr int64_t MERGE_O_STRIDE =
+    static_cast<int64_t>(VMLA_BM) * VMLA_VDIM;  // floats from one partial slot to the next
 // Row `row` of o (and lse) from its segs partials: sum_s weight_s * partial_s in slot order, BATCH partials loaded at
 // a time, partial s's LSE from lse_at(s).
 template <int BATCH, class LseAt>
-__device__ __forceinline__ void merge_row(int row, int segs, const float* row_o, LseAt lse_at, const vmla::MergeWeights& mw,
-                                          __nv_bfloat16* __restrict__ o, float* __restrict__ lse) {
+__device__ __forceinline__ void merge_row(int row, int segs, const float* row_o, LseAt lse_at,
+                                          const vmla::MergeWeights& mw, __nv_bfloat16* __restrict__ o,
+                                          float* __restrict__ lse) {
   for (int c = threadIdx.x * 4; c < VMLA_VDIM; c += blockDim.x * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s0 = 0; s0 < segs; s0 += BATCH) {
@@ -383,7 +405,7 @@ __device__ __forceinline__ void merge_row(int row, int segs, const float* row_o,
   if (threadIdx.x == 0 && lse != nullptr) lse[row] = vmla::merged_lse(mw);
 }
 extern "C" __global__ void __launch_bounds__(128)
-verify_mla_merge(VMLA_KERNEL_PARAMS(VMLA_MERGE_PARAMS)) {  // vmla::MergeParams' members (verify_mla_params.cuh)
+    verify_mla_merge(VMLA_KERNEL_PARAMS(VMLA_MERGE_PARAMS)) {  // vmla::MergeParams' members (verify_mla_params.cuh)
   const int row = blockIdx.x;
   const int2 m = row_merge[row];
   const int segs = m.y;

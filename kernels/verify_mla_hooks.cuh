@@ -20,7 +20,10 @@ extern "C" __device__ unsigned long long vmla_trace[VMLA_TRACE * 32];  // VMLA_T
 __device__ __forceinline__ void trace_mark(int slot) {
   __shared__ int seg;  // the walk's segment count (thread 0's own: nobody else reads it)
   if (threadIdx.x != 0) return;
-  if (slot < 0) { seg = slot == -1 ? 0 : seg + 1; return; }  // -1: first segment, -2: next segment
+  if (slot < 0) {
+    seg = slot == -1 ? 0 : seg + 1;
+    return;
+  }  // -1: first segment, -2: next segment
   const int at = slot == VMLA_MARK_START ? 0 : slot == VMLA_MARK_END ? 31 : 1 + 5 * seg + slot;
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

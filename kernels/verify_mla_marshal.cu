@@ -14,9 +14,9 @@
 //   repeats, as kdtree/device_marshal.py clamps): a padded scratch row may lie past the real rows' mask.
 
 struct Request {
-  int p;             // prefix length
-  int p0, q0;        // prefix slots and draft tokens before this request
-  long long mask0;   // custom_mask offset of this request's first row
+  int p;            // prefix length
+  int p0, q0;       // prefix slots and draft tokens before this request
+  long long mask0;  // custom_mask offset of this request's first row
 };
 
 template <typename Source>
@@ -57,21 +57,21 @@ struct TableSlots {
   __device__ int operator()(int j) const { return static_cast<int>(row[j]); }
 };
 
-#define VMLA_MARSHAL_KERNEL(NAME, INDEX)                                                                          \
-  extern "C" __global__ void NAME(const int* qo_indptr, const int* kv_indptr, const INDEX* kv_indices,           \
-                                  const long long* out_cache_loc, const unsigned char* custom_mask,               \
+#define VMLA_MARSHAL_KERNEL(NAME, INDEX)                                                                             \
+  extern "C" __global__ void NAME(const int* qo_indptr, const int* kv_indptr, const INDEX* kv_indices,               \
+                                  const long long* out_cache_loc, const unsigned char* custom_mask,                  \
                                   const long long* mask_indptr, int mask_words, int* combined_indptr, int* combined, \
-                                  int* prefix_lens, int* tree_mask, int bs) {                                    \
-    const int b = blockIdx.x;                                                                                     \
-    const Request r{kv_indptr[b + 1] - kv_indptr[b], kv_indptr[b], qo_indptr[b],                                  \
-                    custom_mask != nullptr ? mask_indptr[b] : 0};                                                 \
-    if (blockIdx.y == 0 && threadIdx.x == 0) {                                                                    \
-      combined_indptr[b] = r.p0 + r.q0;                                                                           \
-      prefix_lens[b] = r.p;                                                                                       \
-      if (b == bs - 1) combined_indptr[bs] = kv_indptr[bs] + qo_indptr[bs];                                       \
-    }                                                                                                             \
-    marshal_request(r, qo_indptr[b + 1] - r.q0, CsrSlots<INDEX>{kv_indices, r.p0}, out_cache_loc, custom_mask,   \
-                    0x7fffffffffffffffLL, mask_words, combined, tree_mask);                                       \
+                                  int* prefix_lens, int* tree_mask, int bs) {                                        \
+    const int b = blockIdx.x;                                                                                        \
+    const Request r{kv_indptr[b + 1] - kv_indptr[b], kv_indptr[b], qo_indptr[b],                                     \
+                    custom_mask != nullptr ? mask_indptr[b] : 0};                                                    \
+    if (blockIdx.y == 0 && threadIdx.x == 0) {                                                                       \
+      combined_indptr[b] = r.p0 + r.q0;                                                                              \
+      prefix_lens[b] = r.p;                                                                                          \
+      if (b == bs - 1) combined_indptr[bs] = kv_indptr[bs] + qo_indptr[bs];                                          \
+    }                                                                                                                \
+    marshal_request(r, qo_indptr[b + 1] - r.q0, CsrSlots<INDEX>{kv_indices, r.p0}, out_cache_loc, custom_mask,       \
+                    0x7fffffffffffffffLL, mask_words, combined, tree_mask);                                          \
   }
 VMLA_MARSHAL_KERNEL(verify_mla_marshal_i64, long long)
 VMLA_MARSHAL_KERNEL(verify_mla_marshal_i32, int)
@@ -89,27 +89,26 @@ __device__ __forceinline__ long long prefix_before(const long long* __restrict__
   return total;
 }
 
-#define VMLA_MARSHAL_TABLE_KERNEL(NAME, INDEX)                                                                    \
-  extern "C" __global__ void NAME(const INDEX* req_to_token, long long row_stride,                                \
-                                  const long long* req_pool_indices, const long long* seq_lens,                   \
-                                  const long long* out_cache_loc, const unsigned char* custom_mask,               \
-                                  long long mask_len, int n, int mask_words, int* qo_indptr, int* combined_indptr, int* combined,            \
-                                  int* prefix_lens, int* tree_mask, int bs) {                                     \
-    const int b = blockIdx.x;                                                                                     \
-    const long long before = prefix_before(seq_lens, b);                                                          \
-    const Request r{static_cast<int>(seq_lens[b]), static_cast<int>(before), b * n,                               \
-                    static_cast<long long>(n) * (before + static_cast<long long>(b) * n)};                       \
-    if (blockIdx.y == 0 && threadIdx.x == 0) {                                                                    \
-      qo_indptr[b] = r.q0;                                                                                        \
-      combined_indptr[b] = r.p0 + r.q0;                                                                           \
-      prefix_lens[b] = r.p;                                                                                       \
-      if (b == bs - 1) {                                                                                          \
-        qo_indptr[bs] = bs * n;                                                                                   \
-        combined_indptr[bs] = r.p0 + r.p + bs * n;                                                                \
-      }                                                                                                           \
-    }                                                                                                             \
-    marshal_request(r, n, TableSlots<INDEX>{req_to_token + req_pool_indices[b] * row_stride}, out_cache_loc,      \
-                    custom_mask, mask_len, mask_words, combined, tree_mask);                                      \
+#define VMLA_MARSHAL_TABLE_KERNEL(NAME, INDEX)                                                                       \
+  extern "C" __global__ void NAME(                                                                                   \
+      const INDEX* req_to_token, long long row_stride, const long long* req_pool_indices, const long long* seq_lens, \
+      const long long* out_cache_loc, const unsigned char* custom_mask, long long mask_len, int n, int mask_words,   \
+      int* qo_indptr, int* combined_indptr, int* combined, int* prefix_lens, int* tree_mask, int bs) {               \
+    const int b = blockIdx.x;                                                                                        \
+    const long long before = prefix_before(seq_lens, b);                                                             \
+    const Request r{static_cast<int>(seq_lens[b]), static_cast<int>(before), b * n,                                  \
+                    static_cast<long long>(n) * (before + static_cast<long long>(b) * n)};                           \
+    if (blockIdx.y == 0 && threadIdx.x == 0) {                                                                       \
+      qo_indptr[b] = r.q0;                                                                                           \
+      combined_indptr[b] = r.p0 + r.q0;                                                                              \
+      prefix_lens[b] = r.p;                                                                                          \
+      if (b == bs - 1) {                                                                                             \
+        qo_indptr[bs] = bs * n;                                                                                      \
+        combined_indptr[bs] = r.p0 + r.p + bs * n;                                                                   \
+      }                                                                                                              \
+    }                                                                                                                \
+    marshal_request(r, n, TableSlots<INDEX>{req_to_token + req_pool_indices[b] * row_stride}, out_cache_loc,         \
+                    custom_mask, mask_len, mask_words, combined, tree_mask);                                         \
   }
 VMLA_MARSHAL_TABLE_KERNEL(verify_mla_marshal_table_i32, int)
 VMLA_MARSHAL_TABLE_KERNEL(verify_mla_marshal_table_i64, long long)

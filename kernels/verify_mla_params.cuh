@@ -14,6 +14,8 @@
 
 #include <cuda_bf16.h>
 
+// (one parameter a line, its shape beside it: kept out of clang-format)
+// clang-format off
 #define VMLA_FWD_PARAMS(PTR, VAL, SEP)                                                                              \
   PTR(const __nv_bfloat16, q) SEP          /* [T * H, 576] */                                                       \
   PTR(const __nv_bfloat16, kv_buffer) SEP  /* [pool rows, 576] */                                                   \
@@ -45,6 +47,7 @@
   PTR(const float, part_lse) SEP  /* [segments, BM] */                                                              \
   PTR(__nv_bfloat16, o) SEP       /* [T * H, 512] */                                                                \
   PTR(float, lse)                 /* [T * H] or null */
+// clang-format on
 
 #define VMLA_KERNEL_PTR(type, name) type* __restrict__ name
 #define VMLA_KERNEL_VAL(type, name) type name

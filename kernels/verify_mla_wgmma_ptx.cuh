@@ -1,5 +1,6 @@
-// PTX wrappers of the warpgroup MMAs (sm_90a) that the Hopper body (verify_mla_wgmma.cuh) and its rate probe
-// (wgmma_probe.cu) share: shared-memory matrix descriptors, fence, commit, wait, the proxy fence, the QK steps (N 32 and 64).
+// PTX wrappers of the warpgroup MMAs (sm_90a) that the Hopper bodies (verify_mla_body_*.cuh) and their rate probe
+// (wgmma_probe.cu) share: shared-memory matrix descriptors, fence, commit, wait, the proxy fence, the QK steps (N 32
+// and 64).
 #pragma once
 
 #include "verify_mla_ptx.cuh"
@@ -17,7 +18,9 @@ __device__ __forceinline__ uint64_t desc(const void* p, uint32_t lbo, uint32_t s
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
-__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 // cp.async writes (generic proxy) visible to the tensor cores' reads (async proxy); before the barrier.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 

@@ -11,8 +11,8 @@
 # %% [markdown]
 # # Kernel diff
 # Compile `kernels/verify_mla.cu` (resources for sm_120 and the present GPU), run it on captures and diff it
-# against the fp64 oracle. Edit the `.cu` (or a header it includes: on Hopper the segment body is
-# `verify_mla_wgmma.cuh`) and re-run: the change is picked up.
+# against the fp64 oracle. Edit the `.cu` (or a header it includes: each segment body has its own
+# `verify_mla_body_*.cuh`) and re-run: the change is picked up.
 # Without a GPU the kernel cannot run: the notebook says so, compile-checks sm_120/sm_90 and diffs the
 # kernel's torch model instead (what `kdtree diff` runs there too: the kernel's marshaled arguments, its split
 # and merge, in torch).

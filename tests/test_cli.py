@@ -156,7 +156,7 @@ def test_plan_shows_what_the_cost_model_weighs_and_its_pick():
     the one it picks marked, in the table and in --json; on Hopper with the H200's L2 mixed (81 MiB of pool rows)
     is over it and picks the aligned plan on blocks64, dsv3 32k x2 one tile a block; on sm_120 the only body
     is mma.sync at 32 rows."""
-    from kdtree.bench import ALL_CASES
+    from kdtree.bench import BENCH_CASES
     from kdtree.kernel import KernelConfig, choose_plan
     from kdtree.marshal import marshal
     from kdtree.synth import synthesize
@@ -165,7 +165,7 @@ def test_plan_shows_what_the_cost_model_weighs_and_its_pick():
     r = kdtree("plan", path, "--case", "mixed", "--case", "32k x2", "--json")
     assert r.returncode == 0, r.stderr
     doc = {d["batch"]: d for d in json.loads(r.stdout)}
-    cases = {c.name: c for c in ALL_CASES}
+    cases = {c.name: c for c in BENCH_CASES}
     for name in (str(path), "kimi-tp8 mixed", "dsv3-tp8 ddtree256 32k x2"):
         cap = load(path) if name == str(path) else synthesize(cases[name].spec(), reference=False)
         rows = doc[name]["plans"]

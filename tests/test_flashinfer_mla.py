@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from kdtree.bench import ALL_CASES, BenchCase, geomean, summary_table
+from kdtree.bench import BENCH_CASES, BenchCase, geomean, summary_table
 from kdtree.flashinfer_mla import causal_step, is_chain, load
 from kdtree.marshal import marshal
 from kdtree.reference import oracle
@@ -26,7 +26,7 @@ def test_chain_variants_keep_the_shape_and_change_the_tree():
     cap, tree = synthesize(chain.spec(), reference=False), synthesize(SMALL.spec(), reference=False)
     assert cap.num_draft.tolist() == tree.num_draft.tolist() == [9, 9, 9]
     assert is_chain(cap) and not is_chain(tree)
-    n1 = next(c for c in ALL_CASES if c.num_draft == 1)
+    n1 = next(c for c in BENCH_CASES if c.num_draft == 1)
     assert n1.as_chain().name == n1.name  # one token a request is a chain already
     assert chain.as_chain() == chain  # and a chain stays one
 

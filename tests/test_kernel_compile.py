@@ -132,6 +132,13 @@ def test_header_changes_change_the_source_hash(kernel_copy):
     assert source_hash(kernel_copy) != before
 
 
+def test_every_body_header_is_a_source_file():
+    """The body headers are included under #if (one body a build): the source hash still covers every one."""
+    names = {p.name for p in source_files()}
+    bodies = {p.name for p in SOURCE.parent.glob("verify_mla_body_*.cuh")}
+    assert len(bodies) == 5 and bodies | {"verify_mla_wgmma_common.cuh"} <= names
+
+
 def test_compile_errors_quote_the_offending_line(kernel_copy):
     text = kernel_copy.read_text().replace("const int b = rt_request[rt];", "const int b = rt_request[rt] +;", 1)
     kernel_copy.write_text(text)

@@ -172,12 +172,12 @@ def test_deterministic_and_graph_replay_matches(kern):
 def test_fused_merge_gives_the_merge_kernels_bits(target):
     """Where the plan allows it, the last block of a split tile merges it: the same bits as verify_mla_merge,
     counters back at zero afterwards (so a graph replay starts clean), and a graph replay gives the same bits."""
-    from kdtree.bench import CASES
+    from kdtree.bench import ANCHOR_CASES
     from kdtree.kernel import FUSED_MERGE_SEGS, KernelConfig, VerifyKernel, Workspace, plan
 
     kern = VerifyKernel.get(KernelConfig.for_arch(target) if target else None)
     caps = [load(p) for p in SHIPPED] + [synthesize(fuzz_spec(s), device="cuda", reference=False) for s in (1, 2, 5)]
-    caps.append(synthesize(CASES[0].spec(), device="cuda", reference=False))  # the small-tree bench case
+    caps.append(synthesize(ANCHOR_CASES[0].spec(), device="cuda", reference=False))  # the small-tree bench case
     fused_runs = 0
     for cap in caps:
         host_args = marshal(cap)
@@ -463,12 +463,12 @@ def test_a_long_request_cut_alike(kern):
     """The bench's mixed batch (prefixes of 3 to 45,000 keys, N 65), on this GPU's candidates: on Hopper the cost
     model takes the aligned plan on blocks64 (the 45,000-key request's nine row tiles cut at the same key
     offsets, the other requests balanced with a segment weighed ALIGN_SEGMENT_UNITS), against the references."""
-    from kdtree.bench import CASES
+    from kdtree.bench import ANCHOR_CASES
     from kdtree.kernel import device_arch
 
     if device_arch() != "sm_90":
         pytest.skip(f"blocks64, and so aligned plans, are Hopper's; this GPU is {device_arch()}")
-    cap = synthesize(next(c for c in CASES if c.name == "kimi-tp8 mixed").spec(), device="cuda")
+    cap = synthesize(next(c for c in ANCHOR_CASES if c.name == "kimi-tp8 mixed").spec(), device="cuda")
     args, H = marshal(cap), cap.meta.num_heads
     p = kern.plan(args, H)
     assert p.aligned and p.config.blocks64

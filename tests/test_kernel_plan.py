@@ -131,10 +131,10 @@ def test_the_plan_picks_the_cheaper_configuration_per_batch():
     1.453 ms; mixed 0.227 against 0.242, docs/history/bench/variants-short-segments-main-h200.log; mma.sync at 32 rows
     measured 1.15x a wgmma unit's time); where 64 rows means mma.sync (sm_100), the small tree and the 4k batch take
     32 rows (v7: 0.088 vs 0.098 ms)."""
-    from kdtree.bench import ALL_CASES, CASES
+    from kdtree.bench import ANCHOR_CASES, BENCH_CASES
     from kdtree.kernel import choose_plan
 
-    def chosen(arch, cases=CASES):
+    def chosen(arch, cases=ANCHOR_CASES):
         configs = KernelConfig.candidates(arch)
         out = {}
         for case in cases:
@@ -150,7 +150,7 @@ def test_the_plan_picks_the_cheaper_configuration_per_batch():
         (False, 32, 0, False),
     ]
     assert KernelConfig.candidates("sm_120") == (KernelConfig(),)
-    hopper = chosen("sm_90", ALL_CASES)
+    hopper = chosen("sm_90", BENCH_CASES)
     few = [hopper.pop(k) for k in ("kimi-tp8 small tree", "kimi-tp8 ddtree64 4k", "kimi-tp8 64 x N1 4k")]
     assert few == ["split_keys+few"] * 3, hopper
     assert set(hopper.values()) == {"blocks64"}, hopper
@@ -221,10 +221,10 @@ def test_plans_with_long_requests_aligned_still_do_every_unit_once():
     are cut at the same offsets, in 64-key pairs of blocks, and the walk still does every unit once and writes every
     partial slot once; on the small tree, which has no such request, it is the balanced plan; 128k, one request,
     gets a grid of its pieces."""
-    from kdtree.bench import CASES
+    from kdtree.bench import ANCHOR_CASES
 
     config = KernelConfig.for_arch("sm_90a-blocks64")
-    by_name = {c.name: c for c in CASES}
+    by_name = {c.name: c for c in ANCHOR_CASES}
     for name, shares in (("kimi-tp8 mixed", 6.0), ("kimi-tp8 ddtree64 128k", 3.0)):
         cap = synthesize(by_name[name].spec(), reference=False)
         p = plan(marshal(cap), cap.meta.num_heads, 132, config, align_shares=shares)
@@ -255,12 +255,12 @@ def test_choose_plan_cuts_only_mixed_alike(monkeypatch):
     against 0.224 balanced, docs/history/bench/variants-aligned-h200.log); with no request long enough, or `aligned`=False,
     it is the balanced plan on blocks64 again."""
     import kdtree.kernel.planner as planner
-    from kdtree.bench import ALL_CASES
+    from kdtree.bench import BENCH_CASES
     from kdtree.kernel import choose_plan
 
     configs = KernelConfig.candidates("sm_90")
     picked = {}
-    for case in ALL_CASES:
+    for case in BENCH_CASES:
         cap = synthesize(case.spec(), reference=False)
         args, H = marshal(cap), cap.meta.num_heads
         for l2 in (None, 60 << 20):
@@ -269,7 +269,7 @@ def test_choose_plan_cuts_only_mixed_alike(monkeypatch):
                 assert p.config.blocks64 and p.split, case.name
                 picked[case.name] = p
     assert sorted(picked) == ["kimi-tp8 mixed"]
-    cap = synthesize(next(c for c in ALL_CASES if c.name == "kimi-tp8 mixed").spec(), reference=False)
+    cap = synthesize(next(c for c in BENCH_CASES if c.name == "kimi-tp8 mixed").spec(), reference=False)
     args, H = marshal(cap), cap.meta.num_heads
     off = choose_plan(args, H, 132, configs, aligned=False)
     monkeypatch.setattr(planner, "ALIGN_SHARES", 1e9)
@@ -309,9 +309,9 @@ def test_few_row_tiles_are_planned_cheaper_where_the_kernel_runs_them():
     with few_rows 0, or on the mma.sync paths, every unit counts 1."""
     import dataclasses
 
-    from kdtree.bench import CASES
+    from kdtree.bench import ANCHOR_CASES
 
-    cap = synthesize(next(c for c in CASES if c.name == "kimi-tp8 small tree").spec(), reference=False)
+    cap = synthesize(next(c for c in ANCHOR_CASES if c.name == "kimi-tp8 small tree").spec(), reference=False)
     args, H = marshal(cap), cap.meta.num_heads
     wg = KernelConfig.for_arch("sm_90")
     assert wg.few_rows == 16
@@ -334,14 +334,14 @@ def test_few_row_tiles_are_planned_cheaper_where_the_kernel_runs_them():
 
 def test_bench_case_selection():
     """Substrings pick bench cases; probe cases (experiments only) come only by exact name and on request."""
-    from kdtree.bench import ALL_CASES, PROBE_CASES, select_cases
+    from kdtree.bench import BENCH_CASES, PROBE_CASES, select_cases
 
     assert [c.name for c in select_cases(["small tree"])] == ["kimi-tp8 small tree"]
     assert [c.name for c in select_cases(["small tree", "small tree N8"], probes=True)] == [
         "kimi-tp8 small tree",
         "small tree N8",
     ]
-    assert select_cases(["small tree N8"]) == [] and select_cases(["8k"]) == [c for c in ALL_CASES if "8k" in c.name]
+    assert select_cases(["small tree N8"]) == [] and select_cases(["8k"]) == [c for c in BENCH_CASES if "8k" in c.name]
     assert {c.num_draft * 8 for c in PROBE_CASES} == {16, 64, 72, 128}  # rows a request at H 8
 
 
@@ -410,14 +410,14 @@ def test_few_row_units_are_weighed_by_the_body_that_runs_them():
     """A few-row unit costs 0.8 of a split_keys wgmma unit and 0.6 of a dims_split one (their measured ratios): each
     body's plans balance its own weight, unless one is given."""
 
-    from kdtree.bench import CASES
+    from kdtree.bench import ANCHOR_CASES
     from kdtree.kernel import FEW_UNIT_COST, few_row_weight
     from kdtree.kernel.planner import FEW_UNIT_COST_DIMS
 
     split = KernelConfig.for_arch("sm_90")
     dims = split.dims_split()
     assert few_row_weight(split) == FEW_UNIT_COST != FEW_UNIT_COST_DIMS == few_row_weight(dims)
-    cap = synthesize(next(c for c in CASES if c.name == "kimi-tp8 small tree").spec(), reference=False)
+    cap = synthesize(next(c for c in ANCHOR_CASES if c.name == "kimi-tp8 small tree").spec(), reference=False)
     args, H = marshal(cap), cap.meta.num_heads
     p_split, p_dims = plan(args, H, 132, split), plan(args, H, 132, dims)
     few_units = (p_split.units - p_split.work) / (1 - FEW_UNIT_COST)
@@ -493,11 +493,11 @@ def test_the_cost_is_the_slowest_blocks(arch):
     plan's work (they add up to it), padded per segment as its body runs it, and its segments are the row tiles the
     kernel's walk visits in it; the cost is the largest block's, at least the mean, and a device plan without the
     per-block figures gets the mean."""
-    from kdtree.bench import CASES
+    from kdtree.bench import ANCHOR_CASES
     from kdtree.kernel import estimated_cost
     from kdtree.kernel.planner import SEGMENT_COST_PER_ROW, UNIT_COST, cost_kind, few_row_weight, padded_units
 
-    for case in CASES:
+    for case in ANCHOR_CASES:
         cap = synthesize(case.spec(), reference=False)
         for config in KernelConfig.candidates(arch):
             p = plan(marshal(cap), cap.meta.num_heads, 132, config)
@@ -530,13 +530,13 @@ def test_batches_over_l2_with_fewer_row_tiles_than_blocks_run_one_tile_a_block()
     132). 8k x8, mixed, 128k and 64 x N1 (over L2, fewer tiles than blocks) stay balanced: one tile a block would
     leave 60, 78, 123 and 68 of the 132 blocks idle. ddtree1024 (129 tiles on 10.1 MiB) fits L2 and keeps its plan;
     so does every case on a 128 MiB L2, and with no L2 size."""
-    from kdtree.bench import ALL_CASES
+    from kdtree.bench import BENCH_CASES
     from kdtree.kernel import choose_plan
     from kdtree.kernel.planner import pool_row_bytes
 
     configs = KernelConfig.candidates("sm_90")
     changed = []
-    for case in ALL_CASES:
+    for case in BENCH_CASES:
         cap = synthesize(case.spec(), reference=False)
         args, H = marshal(cap), cap.meta.num_heads
         base = choose_plan(args, H, 132, configs)

@@ -50,7 +50,7 @@ def test_sglang_bench_figure_from_a_measured_result():
 
 
 def test_bench_summary_reports_fractions_of_every_ceiling_and_the_geomean():
-    from kdtree.bench import ALL_CASES, ceiling_fractions, gather_fraction, gathered_bytes, geomean, summary_table
+    from kdtree.bench import BENCH_CASES, ceiling_fractions, gather_fraction, gathered_bytes, geomean, summary_table
 
     assert geomean([2.0, 8.0, None]) == pytest.approx(4.0) and geomean([None]) is None
     ceilings = {"matmul_bf16_tflops": 800.0, "copy_tbps": 4.0, "mma_sync_raw_tflops": 600.0, "mma_sync_ldmatrix_tflops": 400.0}
@@ -89,9 +89,9 @@ def test_bench_summary_reports_fractions_of_every_ceiling_and_the_geomean():
         del ceil[key]
     assert "%mma" not in summary_table(result) and "%gath" not in summary_table(result)
     # the four shapes beside the eight; N 1 is a one-token chain, not a DDTree of budget 0
-    names = [c.name for c in ALL_CASES]
+    names = [c.name for c in BENCH_CASES]
     assert len(names) == len(set(names)) == 12
-    n1 = next(c for c in ALL_CASES if c.num_draft == 1).spec().resolved()
+    n1 = next(c for c in BENCH_CASES if c.num_draft == 1).spec().resolved()
     assert n1.tree == "chain" and n1.num_draft_tokens == 1 and n1.batch_size == 64
 
 

@@ -27,7 +27,7 @@ def main():
     ap.add_argument("--rows64", action="store_true", help="KernelConfig.rows64_in_registers (64 rows, Q in registers)")
     ap.add_argument("--no-l2", action="store_true", help="plan as if the GPU's L2 size were unknown (choose_plan's l2_bytes)")
     a = ap.parse_args()
-    case = next(c for c in bench.ALL_CASES if a.case in c.name)
+    case = next(c for c in bench.BENCH_CASES if a.case in c.name)
     arch = a.target or device_arch()
     configs = KernelConfig.candidates(arch) if a.candidates else (KernelConfig.for_arch(arch),)
     if a.rows64:

@@ -12,7 +12,7 @@ from kdtree.sglang.plugin import register  # noqa: E402
 register()  # what SGLang's plugin loader does with the installed entry point
 from kdtree.sglang import bench  # noqa: E402
 
-cases = [c for c in bench.CASES if not sys.argv[2:] or any(p in c.name for p in sys.argv[2:])]
+cases = [c for c in bench.SERVING_CASES if not sys.argv[2:] or any(p in c.name for p in sys.argv[2:])]
 result = bench.run(cases)
 bench.save(result, sys.argv[1])
 print(f"wrote {sys.argv[1]}")

@@ -211,8 +211,8 @@ class KernelConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of verify_mla_fwd: sizeof(Smem) in the .cu."""
-        if self.wgmma:  # verify_mla_wgmma.cuh: Q and the stages as unpadded swizzled rows, two P tiles, two
+        """Dynamic shared memory of verify_mla_fwd: sizeof(Smem) of the body (kernels/verify_mla_body_*.cuh)."""
+        if self.wgmma:  # verify_mla_wgmma_common.cuh: Q and the stages as unpadded swizzled rows, two P tiles, two
             # partial-score buffers (split_keys: two rows of row statistics), the slot-id ring, a flag; + 1024 B to
             # align the atoms
             scores = 2 * 64 * 2 * 4 if self.split_keys else 2 * 64 * (self.bn + 8) * 4

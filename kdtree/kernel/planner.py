@@ -81,23 +81,16 @@ class LaunchPlan:
         return out
 
 
-# What a block pays for each segment it works on beyond its tiles, in units (docs/kernel-design.md, "Stream-K
-# plan"): an H200 trace of the dims_split wgmma body (tools/trace_case.py) put 6.4 us of a segment in its
-# prologue, first tile's wait and store, against 1.9-2.0 us a tile (3.3 units); timed side by side, 4 to 6 did
-# best. A split_keys unit is 1.38 us (6.4 us: 4.6 units); 6 against 5 on it: mixed -5 %, small tree +4 %, the
-# geomean of the twelve bench cases' times 0.3 % lower, so 5 stays (docs/history/kernel-notes.md, "After v16").
+# What the split weighs a segment beyond its tiles, in units: its prologue, first tile's wait and store
+# (fitted: docs/kernel-design.md, Cost model).
 SEGMENT_OVERHEAD_UNITS = 5.0
-# A unit of a few-row tile (at most KernelConfig.few_rows rows: the mma.sync segment of the wgmma body) in units
-# of a 64-row wgmma unit (docs/kernel-design.md, "The few-row segment"): ~0.585 of a unit of the body whose
-# warpgroups split a tile's dims (timed on the H200 at weights 0.3-0.7: 0.6), which a fit over the twelve bench
-# cases puts at 1.36 units of the split_keys body: 0.8 of one of those.
+# A unit of a few-row tile (the wgmma body's mma.sync few-row segment) in units of the configuration's 64-row
+# body's unit, split_keys (FEW_UNIT_COST) or dims_split (FEW_UNIT_COST_DIMS) (fitted: docs/kernel-design.md,
+# Cost model).
 FEW_UNIT_COST = 0.8
 FEW_UNIT_COST_DIMS = 0.6
-# A row tile of at most SHORT_TILE_UNITS key tiles (512 keys at 32-key tiles) is short: its segment weighs
-# SHORT_SEGMENT_UNITS more. An H200 trace of mixed's short requests on blocks64 put a segment of <= 4 units at
-# ~14 us, ~4 us above what its units and a long segment's overhead say (tools/trace_case.py --blocks64,
-# docs/history/bench/trace-blocks64-h200.*); 4-8 units timed alike on mixed, the one bench case with short tiles
-# (docs/history/bench/variants-short-segments-h200.log; docs/history/kernel-notes.md, v24).
+# A row tile of at most SHORT_TILE_UNITS key tiles (512 keys) is short: its segment pays a fixed cost its few
+# units do not amortise, SHORT_SEGMENT_UNITS more (fitted: docs/kernel-design.md, Cost model).
 SHORT_TILE_UNITS = 16
 SHORT_SEGMENT_UNITS = 6.0
 
@@ -210,11 +203,10 @@ def block_costs(bounds: np.ndarray, rt_unit_start: np.ndarray, segment_units, rt
 
 
 ALIGN_SLACK = 1.06  # an aligned split may put this much more work than the balanced one into its largest block
-# `choose_plan`'s aligned candidate, on blocks64: a request is cut alike where each of
-# its row tiles is worth at least ALIGN_SHARES blocks' shares, and the split weighs a segment ALIGN_SEGMENT_UNITS (a
-# short tile's SHORT_SEGMENT_UNITS more, as timed). An H200 trace of mixed so planned fitted 1.05-1.06 us a unit and
-# 12.2-12.6 us a segment, short or long, over its 132 blocks; the weights 5, 8, 10 and 12 timed side by side, 12 the
-# fastest (docs/kernel-design.md, "Pool rows over L2"; docs/history/bench/trace-aligned-h200.*, variants-aligned-h200.log).
+# `choose_plan`'s aligned candidate, on blocks64: a request is cut alike where each of its row tiles is worth at
+# least ALIGN_SHARES blocks' shares, and the split weighs a segment ALIGN_SEGMENT_UNITS (a short tile's
+# SHORT_SEGMENT_UNITS more): a segment costs more where its keys are read by several blocks together
+# (fitted: docs/kernel-design.md, Cost model).
 ALIGN_SHARES = 6.0
 ALIGN_SEGMENT_UNITS = 12.0
 
@@ -423,24 +415,16 @@ def plan(
     )
 
 
-# Relative time of one (row tile, key tile) unit, by kind of segment, in units of a wgmma unit
-# (docs/kernel-design.md, "Cost model"): least-squares fits of time = units * u + segments * s to the twelve bench
-# cases on the H200, over unpadded units (`estimated_cost` applies them to padded ones): u(BM 32) / u(wgmma) = 1.15;
-# mma.sync at BM 64 measured 1.30-1.34x the dims_split wgmma body's time on the long cases, which is 1.36x the
-# split_keys body's; blocks64 0.82 of the split_keys body's.
+# Relative time of one (row tile, key tile) unit by segment body, in split_keys wgmma units, over unpadded units
+# (`estimated_cost` applies them to padded ones) (fitted: docs/kernel-design.md, Cost model).
 UNIT_COST = {"wgmma64": 1.0, "blocks64": 0.82, "mma64": 1.8, "mma32": 1.15}
-# What a segment adds beyond its units (prologue, pipeline fill, store), a row, in wgmma units, with each segment's
-# units padded as its body runs them (`padded_units`): 9 units a 64-row segment (~12 us at the split_keys body's 1.38
-# us a unit), 10 on blocks64 (`SEGMENT_COST_SCALE`). From a grid search: on each body's default plan they pick
-# the faster Hopper body on the eight bench cases timed on both, the ratio of the two bodies' times within 6 % rms
-# (docs/kernel-design.md, "Cost model", for the metric); an H200 trace puts a
-# long segment's overhead at ~7 us, a short one's at ~14 (docs/kernel-design.md, "Cost model";
-# tools/choose_check.py times every candidate beside the pick).
+# What a segment adds beyond its units (prologue, pipeline fill, store), a row, in wgmma units, with its units
+# padded as its body runs them (`padded_units`); x SEGMENT_COST_SCALE on blocks64 (fitted: docs/kernel-design.md,
+# Cost model; tools/choose_check.py times every candidate beside the pick).
 SEGMENT_COST_PER_ROW = 9.0 / 64
 SEGMENT_COST_SCALE = {"blocks64": 10.0 / 9.0}
-# A split plan of a batch whose pool rows exceed L2 (`choose_plan`): its blocks read the keys at every offset at
-# once, from HBM. Fitted to one H200 pair (DeepSeek-V3 2 x 4,112 rows on 33,025 keys, 76 MB
-# of rows: 1.345 ms balanced over 132 blocks, 1.121 one tile a block on 130).
+# A split plan's extra cost where the batch's pool rows exceed L2 (`choose_plan`): its blocks read the keys at
+# every offset at once, from HBM (fitted: docs/kernel-design.md, Cost model).
 L2_SPREAD_COST = 0.2
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kdtree.bench import ALL_CASES as KERNEL_CASES
+from kdtree.bench import BENCH_CASES
 from kdtree.presets import get_preset
 from kdtree.serving import captured
 from kdtree.trees import make_tree
@@ -42,9 +42,9 @@ class ServingCase:
     scaling: float
 
 
-CASES = [
+SERVING_CASES = [
     ServingCase(c.name, get_preset(c.preset).num_heads, c.prefix_lens, c.num_draft, get_preset(c.preset).sm_scale)
-    for c in KERNEL_CASES
+    for c in BENCH_CASES
 ]
 
 
@@ -126,7 +126,7 @@ def run_case(case: ServingCase, do_bench) -> dict:
     return out
 
 
-def run(cases=CASES, log=print) -> dict:
+def run(cases=SERVING_CASES, log=print) -> dict:
     import sglang
     import triton.testing
 
