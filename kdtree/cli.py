@@ -636,7 +636,7 @@ def tune_cmd(
     loads it; KDTREE_TUNING=off ignores it). Needs a GPU."""
     from kdtree import tune
     from kdtree.impls import gpu_available
-    from kdtree.kernel import source_hash
+    from kdtree.kernel import source_hash, tuning
 
     if not gpu_available():
         raise BadInput("kdtree tune times the kernel: it needs a CUDA GPU with CuPy")
@@ -671,9 +671,9 @@ def tune_cmd(
     out.mkdir(parents=True, exist_ok=True)
     (out / "tune.json").write_text(json.dumps(result, indent=1, default=str))
     if write:
-        path = tune.tuning_path(props.name, props.multi_processor_count, target)
+        path = tuning.tuning_path(props.name, props.multi_processor_count, target)
         sms = props.multi_processor_count
-        tune.save(tune.TuningFile(props.name, sms, source_hash(), f.model, f.fitted, f.rms_rel, target=target), path)
+        tuning.save(tuning.TuningFile(props.name, sms, source_hash(), f.model, f.fitted, f.rms_rel, target=target), path)
         typer.echo(f"wrote {path} (the planner loads it on this GPU; KDTREE_TUNING=off ignores it)")
     typer.echo(f"wrote {out / 'tune.json'}", err=True)
 

@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kdtree.cache import cache_dir
 from kdtree.diff import DEFAULT_TOLERANCE
 
 FORMAT = "kdtree-selfcheck/1"
@@ -90,14 +91,6 @@ class Verdict:
 
 def skipped(env: dict | None = None) -> bool:
     return (env if env is not None else os.environ).get(SKIP_VAR, "1").strip().lower() in ("0", "false", "no", "off")
-
-
-def cache_dir(env: dict | None = None) -> Path:
-    env = env if env is not None else os.environ
-    if env.get("KDTREE_CACHE_DIR"):
-        return Path(env["KDTREE_CACHE_DIR"])
-    base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return base / "kdtree"
 
 
 def verdict_path(key: Key, directory: Path | None = None) -> Path:

@@ -1,4 +1,4 @@
-"""kdtree.tune on the CPU: the fit recovers a cost model from timings it generated, refuses what cannot be fitted,
+"""kdtree.kernel.tuning and kdtree.tune on the CPU: the fit recovers a cost model from timings it generated, refuses what cannot be fitted,
 and the tuning file is refused when corrupt, foreign or stale (the planner then keeps the shipped model)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kdtree import tune
-from kdtree.tune import CostModel, Timed, TuneError, TuningFile
+from kdtree.kernel import tuning
+from kdtree.kernel.tuning import CostModel, Timed, TuneError, TuningFile
 
 TRUE = CostModel({"wgmma64": 1.0, "mma64": 1.5, "mma32": 0.9}, {"wgmma64": 7.0, "mma64": 8.0, "mma32": 3.0})
 US_PER_UNIT, LAUNCH_US = 1.7, 9.0
@@ -28,7 +29,7 @@ def timings(model: CostModel, seed: int = 0, noise: float = 0.01, kinds=("wgmma6
 
 
 def test_the_fit_recovers_the_model_that_made_the_timings():
-    f = tune.fit(timings(TRUE), base=tune.shipped_model())
+    f = tuning.fit(timings(TRUE), base=tuning.shipped_model())
     assert sorted(f.fitted) == ["mma32", "mma64", "wgmma64"] and f.rms_rel < 0.03
     for kind in f.fitted:
         assert f.model.unit_cost[kind] == pytest.approx(TRUE.unit_cost[kind], rel=0.05), kind
@@ -36,56 +37,56 @@ def test_the_fit_recovers_the_model_that_made_the_timings():
     assert f.ms_per_unit == pytest.approx(US_PER_UNIT / 1e3, rel=0.05) and f.intercept_ms == pytest.approx(
         LAUNCH_US / 1e3, abs=3e-3
     )
-    shipped = tune.shipped_model()
+    shipped = tuning.shipped_model()
     unmeasured = set(shipped.unit_cost) - set(f.fitted)
     assert unmeasured and all(f.model.unit_cost[k] == shipped.unit_cost[k] for k in unmeasured)
 
 
 def test_fitting_twice_on_fresh_timings_gives_the_same_model_within_noise():
-    a, b = tune.fit(timings(TRUE, seed=1)), tune.fit(timings(TRUE, seed=2))
+    a, b = tuning.fit(timings(TRUE, seed=1)), tuning.fit(timings(TRUE, seed=2))
     for kind in a.fitted:
         assert a.model.unit_cost[kind] == pytest.approx(b.model.unit_cost[kind], rel=0.05)
 
 
 def test_a_kind_measured_too_little_keeps_the_shipped_cost_and_the_reference_must_be_measured():
     few = timings(TRUE, kinds=("wgmma64", "mma64")) + [Timed("mma32", 100.0, 2.0, 0.2)]
-    f = tune.fit(few)
-    assert "mma32" not in f.fitted and f.model.unit_cost["mma32"] == tune.shipped_model().unit_cost["mma32"]
+    f = tuning.fit(few)
+    assert "mma32" not in f.fitted and f.model.unit_cost["mma32"] == tuning.shipped_model().unit_cost["mma32"]
     with pytest.raises(TuneError, match="reference body"):
-        tune.fit(timings(TRUE, kinds=("mma64", "mma32")))
+        tuning.fit(timings(TRUE, kinds=("mma64", "mma32")))
     same_shape = [Timed("wgmma64", 100.0 * i, 2.0 * i, 0.1 * i) for i in range(1, 6)]  # proportional: rank 1
     with pytest.raises(TuneError, match="reference body"):
-        tune.fit(same_shape)
+        tuning.fit(same_shape)
 
 
 def test_a_tuning_file_round_trips_and_is_refused_when_corrupt_foreign_or_stale(tmp_path):
-    f = tune.fit(timings(TRUE))
-    path = tune.tuning_path("NVIDIA RTX PRO 6000 Blackwell", 188, "sm_120", tmp_path)
+    f = tuning.fit(timings(TRUE))
+    path = tuning.tuning_path("NVIDIA RTX PRO 6000 Blackwell", 188, "sm_120", tmp_path)
     assert path.name == "nvidia-rtx-pro-6000-blackwell-188sm-sm_120.json"
     rtx = dict(gpu="NVIDIA RTX PRO 6000 Blackwell", sms=188, target="sm_120")
-    tune.save(TuningFile(rtx["gpu"], 188, "abc123", f.model, f.fitted, f.rms_rel, target="sm_120"), path)
-    ok = tune.load(path, source_hash="abc123", **rtx)
+    tuning.save(TuningFile(rtx["gpu"], 188, "abc123", f.model, f.fitted, f.rms_rel, target="sm_120"), path)
+    ok = tuning.load(path, source_hash="abc123", **rtx)
     assert ok.model == f.model and ok.fitted == f.fitted
     with pytest.raises(TuneError, match="foreign .*NVIDIA H200"):
-        tune.load(path, gpu="NVIDIA H200", sms=132, source_hash="abc123", target="sm_120")
+        tuning.load(path, gpu="NVIDIA H200", sms=132, source_hash="abc123", target="sm_120")
     with pytest.raises(TuneError, match="foreign .*target sm_90"):  # another target's configurations on this GPU
-        tune.load(path, source_hash="abc123", **(rtx | {"target": "sm_90"}))
+        tuning.load(path, source_hash="abc123", **(rtx | {"target": "sm_90"}))
     with pytest.raises(TuneError, match="stale .*run kdtree tune"):
-        tune.load(path, source_hash="def456", **rtx)
+        tuning.load(path, source_hash="def456", **rtx)
     good = json.loads(path.read_text())
     for broken in ("{", json.dumps({"format": "other"}), json.dumps({**good, "sms": "many"}),
                    json.dumps({**good, "model": {"unit_cost": {"wgmma64": -1.0}, "segment_cost": {}}})):  # fmt: skip
         path.write_text(broken)
         with pytest.raises(TuneError, match="corrupt"):
-            tune.load(path, source_hash="abc123", **rtx)
+            tuning.load(path, source_hash="abc123", **rtx)
     with pytest.raises(TuneError, match="cannot be read"):
-        tune.load(tmp_path / "none.json", gpu="x", sms=1, source_hash="y")
+        tuning.load(tmp_path / "none.json", gpu="x", sms=1, source_hash="y")
 
 
 def test_saving_a_model_with_an_impossible_cost_is_refused_and_writes_nothing(tmp_path):
     bad = CostModel({"wgmma64": float("nan")}, {"wgmma64": 9.0})
     with pytest.raises(TuneError, match="finite"):
-        tune.save(TuningFile("g", 1, "h", bad), tmp_path / "t.json")
+        tuning.save(TuningFile("g", 1, "h", bad), tmp_path / "t.json")
     assert not list(tmp_path.iterdir())
 
 
@@ -102,9 +103,9 @@ def test_the_shipped_model_is_the_planners_own_costs():
     args, H = marshal(cap), cap.meta.num_heads
     configs = KernelConfig.candidates("sm_90")
     planner_costs = weighed_plans(args, H, 132, configs, l2_bytes=60 << 20)
-    shipped = weighed_plans(args, H, 132, configs, l2_bytes=60 << 20, model=tune.shipped_model())
+    shipped = weighed_plans(args, H, 132, configs, l2_bytes=60 << 20, model=tuning.shipped_model())
     assert [c for _, c in shipped] == pytest.approx([c for _, c in planner_costs], rel=1e-12)
-    m = tune.shipped_model()
+    m = tuning.shipped_model()
     doubled = CostModel({**m.unit_cost, "mma32": 2 * m.unit_cost["mma32"]}, m.segment_cost)
     for (p, c), (_, d) in zip(planner_costs, weighed_plans(args, H, 132, configs, l2_bytes=60 << 20, model=doubled)):
         assert (d > c) if cost_kind(p.config) == "mma32" else (d == pytest.approx(c)), p.config
@@ -113,17 +114,17 @@ def test_the_shipped_model_is_the_planners_own_costs():
 def test_the_planner_loads_this_gpus_tuning_file_and_ignores_a_foreign_one(tmp_path, caplog):
     from kdtree.kernel import source_hash
 
-    f = tune.fit(timings(TRUE))
-    path = tune.tuning_path("GPU A", 188, "sm_90", tmp_path)
-    tune.save(TuningFile("GPU A", 188, source_hash(), f.model, f.fitted, target="sm_90"), path)
+    f = tuning.fit(timings(TRUE))
+    path = tuning.tuning_path("GPU A", 188, "sm_90", tmp_path)
+    tuning.save(TuningFile("GPU A", 188, source_hash(), f.model, f.fitted, target="sm_90"), path)
     env = {"KDTREE_CACHE_DIR": str(tmp_path)}
-    tune._active.clear()
-    assert tune.active_model("GPU A", 188, "sm_90", env) == f.model  # found where `kdtree tune` writes it
-    assert tune.active_model("GPU A", 188, "sm_90", {"KDTREE_TUNING": "off"}) is None
+    tuning._active.clear()
+    assert tuning.active_model("GPU A", 188, "sm_90", env) == f.model  # found where `kdtree tune` writes it
+    assert tuning.active_model("GPU A", 188, "sm_90", {"KDTREE_TUNING": "off"}) is None
     with caplog.at_level("WARNING", logger="kdtree"):
-        assert tune.active_model("GPU B", 132, "sm_90", {"KDTREE_TUNING": str(path)}) is None  # foreign: said, not used
+        assert tuning.active_model("GPU B", 132, "sm_90", {"KDTREE_TUNING": str(path)}) is None  # foreign: said, not used
     assert "foreign" in caplog.text and "shipped cost model" in caplog.text
-    assert tune.active_model("GPU A", 188, "sm_120", env) is None  # none for that target: the shipped model, silently
+    assert tuning.active_model("GPU A", 188, "sm_120", env) is None  # none for that target: the shipped model, silently
 
 
 def test_a_batchs_picks_are_read_against_its_fastest_plan():

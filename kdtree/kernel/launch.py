@@ -295,7 +295,7 @@ class VerifyKernel:
         side, before any capture; compiles that configuration if it has not been yet), priced by the cost model
         `kdtree tune` fitted to this GPU where it wrote one for this kernel source (`kdtree.tune.active_model`)."""
         from kdtree.kernel.config import target_arch
-        from kdtree.tune import active_model
+        from kdtree.kernel.tuning import active_model
 
         model = active_model(self.gpu_name, self.num_sms, target_arch()) if self.source == SOURCE else None
         p = choose_plan(args, num_heads, self.num_sms, self.configs, l2_bytes=self.l2_bytes, model=model)
