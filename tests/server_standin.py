@@ -168,6 +168,11 @@ def main() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     Handler.mode = os.environ.get("KDTREE_MODE", "serve")
     say(f"[kdtree] attention backend kdtree, mode {Handler.mode} (KDTREE_MODE)")
+    if Handler.mode == "serve":  # the backend's self-check, before any step (STANDIN_SELFCHECK: its verdict)
+        if os.environ.get("STANDIN_SELFCHECK", "passed") == "passed":
+            say("[kdtree] self-check passed on the stand-in GPU (cached)")
+        else:
+            say("[kdtree] kdtree's self-check FAILED on the stand-in GPU (fuzz seed 17: rel 9.00e-01 > 0.01); Triton serves")
     time.sleep(args.delay)
     if args.exit_early is not None:
         say("Traceback (most recent call last):\nRuntimeError: the stand-in was told to exit early")

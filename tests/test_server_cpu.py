@@ -285,6 +285,10 @@ def test_serve_needs_the_graph_capture_and_kdtrees_own_lines(tmp_path, monkeypat
     assert triton.passed and not triton.scan["kdtree_served"]
     r.scan["kdtree_served"] = False
     assert "kdtree served no verify step" in check.verdict(r, SETTINGS)
+    assert r.scan["selfcheck"] == "self-check passed on the stand-in GPU (cached)"
+    monkeypatch.setenv("STANDIN_SELFCHECK", "failed")
+    failed = _run("serve", tmp_path, monkeypatch)  # the backend's self-check failed: a fallback, the mode fails
+    assert not failed.passed and any("self-check FAILED" in why for why in failed.reasons), failed.reasons
 
 
 def test_capture_files_are_validated_diffed_and_must_be_private(tmp_path, monkeypatch):

@@ -12,7 +12,8 @@ SHADOW_RE = re.compile(rf"\[kdtree\] L(\d+) max_abs_diff={_NUM} mean={_NUM} rel=
 KDTREE_RE = re.compile(r"\[kdtree\] (.*)$")
 GRAPH_RE = re.compile(r"Capture target verify CUDA graph end\. bs=\[([^\]]*)\]")
 # kdtree's lines that say it did not do what it was asked (the step went to Triton, or capture stopped early)
-FALLBACK_MARKS = ("kdtree failed", "could not prepare", "shadow failed", "capture failed", "capture stopped")
+FALLBACK_MARKS = ("kdtree failed", "could not prepare", "shadow failed", "capture failed", "capture stopped", "self-check FAILED")
+SELFCHECK_MARK = "self-check"  # the backend's one line on the kernel's self-check (passed, FAILED, skipped)
 BUDGET_MARKS = ("KDTREE_CAPTURE_MAX_FILES budget", "past KDTREE_CAPTURE_MAX_BYTES")  # capture stopped as asked
 SERVED_MARK = "serving: first verify step"  # kdtree's serve path ran (backend.py logs it once)
 REPLAY_MARK = "serving: replaying CUDA graphs"  # a graph kdtree captured was replayed
@@ -57,6 +58,10 @@ class LogScan:
         return any(REPLAY_MARK in line for line in self.kdtree_lines)
 
     @property
+    def selfcheck(self) -> str | None:
+        return next((line for line in self.kdtree_lines if SELFCHECK_MARK in line), None)
+
+    @property
     def worst_rel(self) -> float | None:
         return max((s.rel for s in self.shadow), default=None)
 
@@ -73,6 +78,7 @@ class LogScan:
             "graph_batch_sizes": self.graph_batch_sizes,
             "kdtree_served": self.served,
             "kdtree_graph_replayed": self.replayed,
+            "selfcheck": self.selfcheck,
             "fallbacks": self.fallbacks,
             "capture_budget_stops": self.budget_stops,
             "kdtree_lines": self.kdtree_lines,

@@ -26,6 +26,8 @@ def mode_lines(m: dict) -> list[str]:
             f"  target-verify CUDA graphs bs={scan['graph_batch_sizes']}; kdtree served: {scan.get('kdtree_served')}, "
             f"its graphs replayed: {scan.get('kdtree_graph_replayed')}"
         )
+    if scan.get("selfcheck"):
+        lines.append(f"  {scan['selfcheck']}")
     caps = m.get("captures") or []
     if caps:
         valid = sum(bool(c.get("valid")) for c in caps)
