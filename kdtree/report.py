@@ -53,9 +53,9 @@ def environment() -> dict:
             "memory_gib": round(p.total_memory / 2**30, 1),
             "l2_bytes": getattr(p, "L2_cache_size", None),
         }
-        from kdtree.selfcheck import _driver_version
+        from kdtree.selfcheck import driver_version
 
-        env["driver"] = _driver_version()
+        env["driver"] = driver_version()
     return env
 
 

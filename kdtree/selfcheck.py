@@ -110,13 +110,13 @@ def current_key(impl: str = "cuda") -> Key:
     if impl == "cuda":
         dev = torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(dev)
-        gpu, capability, driver = torch.cuda.get_device_name(dev), f"sm_{major}{minor}", _driver_version()
+        gpu, capability, driver = torch.cuda.get_device_name(dev), f"sm_{major}{minor}", driver_version()
         return Key(gpu, capability, driver, source_hash(), impl, target_arch())
     host = platform.processor() or platform.machine()
     return Key(host, "cpu", f"torch {torch.__version__}", source_hash(), impl, os.environ.get("KDTREE_KERNEL_TARGET", ""))
 
 
-def _driver_version() -> str:
+def driver_version() -> str:
     try:
         import cupy
 

@@ -5,6 +5,7 @@ the fastest plan of each batch."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -21,6 +22,7 @@ class BatchTimes:
     shipped_cost: list[float]
     timed: list[Timed]  # the fit's view of each plan (its slowest block under the shipped model)
     tuned_cost: list[float] = field(default_factory=list)
+    weigh: object = field(default=None, repr=False)  # weigh(model=...) -> [(plan, cost)]: `weighed_plans` on this batch
 
     def pick(self, costs: list[float]) -> int:
         return int(np.argmin(costs))  # the first on ties, as `choose_plan`
@@ -75,8 +77,10 @@ def time_batches(batches, configs=None, *, say=lambda _: None) -> list[BatchTime
         args, H = marshal(cap), cap.meta.num_heads
         dev, lid = args.to("cuda"), cap.meta.layer_ids[0]
         q, pool = cap.layer(lid).q.cuda(), cap.pool(lid, "cuda")
-        bt = BatchTimes(name, [], [], [], [])
-        for p, cost in weighed_plans(args, H, first.num_sms, configs, l2_bytes=first.l2_bytes):
+        bt = BatchTimes(
+            name, [], [], [], [], weigh=partial(weighed_plans, args, H, first.num_sms, configs, l2_bytes=first.l2_bytes)
+        )
+        for p, cost in bt.weigh(model=None):
             run = bench.CaseLaunch(cap, p.to("cuda"), dev, q, pool, *bench.launch_outputs(cap, p))
             bt.labels.append(plan_label(p))
             bt.ms.append(bench.median_ms(lambda run=run, k=kerns[p.config]: run.launch(k)))
@@ -87,20 +91,12 @@ def time_batches(batches, configs=None, *, say=lambda _: None) -> list[BatchTime
     return out
 
 
-def retime_costs(batches, times: list[BatchTimes], model: CostModel, configs=None) -> None:
-    """Each batch's plans costed again under `model` (the plans weighed are the model's too: same order)."""
-    from kdtree.kernel import KernelConfig, VerifyKernel
-    from kdtree.kernel.config import target_arch
-    from kdtree.kernel.planner import weighed_plans
-    from kdtree.marshal import marshal
-    from kdtree.synth import synthesize
-
-    configs = configs or KernelConfig.candidates(target_arch())
-    first = VerifyKernel.get(configs[0])
-    for (name, spec), bt in zip(batches, times):
-        cap = synthesize(spec, reference=False)
-        weighed = weighed_plans(marshal(cap), cap.meta.num_heads, first.num_sms, configs, l2_bytes=first.l2_bytes, model=model)
-        assert [plan_label(p) for p, _ in weighed] == bt.labels, name
+def retime_costs(times: list[BatchTimes], model: CostModel) -> None:
+    """Each batch's plans costed again under `model`, on the arguments they were timed on (the plans weighed are
+    the model's too, in the same order)."""
+    for bt in times:
+        weighed = bt.weigh(model=model)
+        assert [plan_label(p) for p, _ in weighed] == bt.labels, bt.name
         bt.tuned_cost = [c for _, c in weighed]
 
 
@@ -157,7 +153,7 @@ def tune(batches, configs=None, *, repeat: int = 1, say=lambda _: None) -> dict:
     for i in range(repeat):
         times = time_batches(batches, configs, say=lambda m, i=i: say(f"pass {i + 1}: {m}"))
         f = fit([t for bt in times for t in bt.timed])
-        retime_costs(batches, times, f.model, configs)
+        retime_costs(times, f.model)
         passes.append((times, f))
     times, f = passes[-1]
     out = {"fit": {"model": asdict(f.model), "fitted": f.fitted, "rms_rel": f.rms_rel, "intercept_ms": f.intercept_ms,

@@ -161,7 +161,9 @@ def measure(url: str, prompts: list[list[int]], s: ServerBenchSettings, timeout:
     }
 
 
-def profile_point(url: str, prompts: list[list[int]], s: ServerBenchSettings, step_ms: float, trace_dir: Path) -> dict | None:
+def profile_point(
+    url: str, prompts: list[list[int]], s: ServerBenchSettings, step_ms: float, trace_dir: Path, timeout: float
+) -> dict | None:
     """A short and a long round once more, each under SGLang's profiler: per extra verify step, the GPU's busy time
     and attention's part of it; set against the unprofiled step time `step_ms`, what the GPU does not account for
     (`kdtree.server.profile`)."""
@@ -169,7 +171,7 @@ def profile_point(url: str, prompts: list[list[int]], s: ServerBenchSettings, st
 
     traces, rounds = [], []
     for n, tag in ((s.short_tokens, "short"), (s.short_tokens + s.new_tokens, "long")):
-        trace = profile.profiled(url, trace_dir / tag, lambda n=n: rounds.append(decode_round(url, prompts, n, 900.0)))
+        trace = profile.profiled(url, trace_dir / tag, lambda n=n: rounds.append(decode_round(url, prompts, n, timeout)))
         traces.append(trace)
     if None in traces or len(rounds) != 2 or rounds[1].steps <= rounds[0].steps:
         return None
@@ -267,7 +269,12 @@ def run(
                         if (n, b) in s.profiled and m["step_ms"] > 0:
                             say(f"{backend} h{heads} n{draft}: prompt {n}, batch {b}, profiled")
                             m["profile"] = profile_point(
-                                url, ids, s, m["step_ms"], out_dir / "traces" / f"{backend}-h{heads}-n{draft}-{n}x{b}"
+                                url,
+                                ids,
+                                s,
+                                m["step_ms"],
+                                out_dir / "traces" / f"{backend}-h{heads}-n{draft}-{n}x{b}",
+                                cs.request_timeout,
                             )
                         rows.append({"heads": heads, "draft_tokens": draft, "backend": backend, "prompt_len": n, "batch": b} | m)
                     return []
