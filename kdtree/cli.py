@@ -388,6 +388,12 @@ def bench(
     batch: Optional[List[int]] = typer.Option(None, "--batch", help="--server: concurrent requests (repeatable)"),
     draft_tokens: Optional[List[int]] = typer.Option(None, "--draft-tokens", help="--server: NGRAM draft tokens (repeatable)"),
     heads: Optional[List[int]] = typer.Option(None, "--heads", help="--server: heads per rank of the model (repeatable)"),
+    from_json: Optional[List[Path]] = typer.Option(
+        None,
+        "--from",
+        help="--server: no servers; the bench-server.json of earlier runs (repeatable) merged, tabled, projected "
+        "and plotted into -o",
+    ),
 ):
     """Time the kernel against SGLang's Triton kernel and plain torch on the anchor cases, with the
     roofline from ceilings measured in the same run. Needs a CUDA GPU."""
@@ -397,6 +403,13 @@ def bench(
     if chain and sglang_backend:
         raise BadInput("--chain and --sglang do not combine: --sglang times the backend on DDTree steps")
     grid = {"prompt_lens": prompt_len, "batches": batch, "draft_tokens": draft_tokens, "heads": heads}
+    if from_json and not server:
+        raise BadInput("--from goes with --server")
+    if server and from_json:
+        if any(grid.values()):
+            raise BadInput("--from re-reads runs: --prompt-len, --batch, --draft-tokens and --heads do not apply")
+        _bench_server_outputs(_merged_server_runs(from_json), out)
+        return
     if server:
         _bench_server(out, {k: tuple(v) for k, v in grid.items() if v})
         return
@@ -477,9 +490,39 @@ def _bench_server(out: Path, grid: dict) -> None:
             f"kdtree bench --server: interrupted; servers stopped; partial result in {out / 'bench-server.json'}", err=True
         )
         raise typer.Exit(_interrupt_code(e)) from None
-    typer.echo(sb.format_table(result["pairs"]))
-    from kdtree.plots import server_bench_figure
+    _bench_server_outputs(result, out, written=True)
 
+
+def _merged_server_runs(paths: list[Path]):
+    """`--from`: the files read (each named where it is missing or not JSON) and merged."""
+    from kdtree.server import bench as sb
+
+    runs = []
+    for path in paths:
+        try:
+            runs.append((str(path), json.loads(path.read_text())))
+        except FileNotFoundError:
+            raise BadInput(f"--from {path}: no such file") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise BadInput(f"--from {path}: not readable JSON ({e})") from None
+    return sb.merge(runs)
+
+
+def _bench_server_outputs(result: dict, out: Path, *, written: bool = False) -> None:
+    """The table and the projections printed; the JSON (unless the run wrote it) and the figure in `out`."""
+    from kdtree.plots import server_bench_figure
+    from kdtree.server import bench as sb
+    from kdtree.server.check import write_json
+    from kdtree.server.projection import format_projections
+
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--out {out}: exists and is not a directory")
+    if not written:
+        write_json(out / "bench-server.json", result)
+    typer.echo(sb.format_table(result["pairs"]))
+    if result.get("projections"):
+        typer.echo("\nProjected (arithmetic: measured attention a layer x the model's layers + an assumed rest):")
+        typer.echo(format_projections(result["projections"]))
     if result["pairs"]:
         server_bench_figure(result["pairs"]).savefig(out / "bench-server.png", dpi=120, bbox_inches="tight")
     typer.echo(f"wrote {out / 'bench-server.json'}" + (f" and {out / 'bench-server.png'}" if result["pairs"] else ""))

@@ -27,6 +27,8 @@ def request_summary(cap: Capture, b: int) -> dict:
         "depth": int(d.max()),
         "leaves": int((br == 0).sum()),
         "max_branching": int(br.max()),
+        # SGLang pads a short NGRAM draft with children of the root, so only a node below it shows a real branch
+        "max_branching_below_root": int(br[1:].max()) if br.size > 1 else 0,
         "mean_branching": float(br[br > 0].mean()) if (br > 0).any() else 0.0,
         "slot_runs": slot_runs(combined),
     }

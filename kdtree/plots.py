@@ -122,15 +122,21 @@ MASK_CMAP = ListedColormap(["#f2f2f2", "#f4a261", "#264653"])
 
 
 def server_bench_figure(pairs: list[dict]) -> Figure:
-    """`kdtree bench --server`: one panel per (heads, draft tokens); the verify step's time against the prompt
-    length, kdtree (solid) and Triton (dashed), a colour per batch; its title names the gain in tokens/s."""
-    groups = sorted({(p["heads"], p["draft_tokens"]) for p in pairs})
-    fig = Figure(figsize=(5.2 * max(1, len(groups)), 4.4), layout="constrained")
-    axes = np.atleast_1d(fig.subplots(1, max(1, len(groups)), squeeze=False)[0])
+    """`kdtree bench --server`: a row of panels per heads per rank and a column per draft tokens; the verify
+    step's time against the prompt length, kdtree (solid) and Triton (dashed), a colour per batch; each title names
+    the gain in tokens/s."""
+    heads_list = sorted({p["heads"] for p in pairs}) or [0]
+    drafts = sorted({p["draft_tokens"] for p in pairs}) or [0]
+    fig = Figure(figsize=(5.2 * len(drafts) + 1.6, 4.2 * len(heads_list)), layout="constrained")
+    grid = fig.subplots(len(heads_list), len(drafts), squeeze=False)
     batches = sorted({p["batch"] for p in pairs})
     colors = matplotlib.colormaps["viridis"](np.linspace(0.0, 0.85, max(1, len(batches))))
-    for ax, (heads, draft) in zip(axes, groups):
+    for (i, heads), (j, draft) in ((hi, dj) for hi in enumerate(heads_list) for dj in enumerate(drafts)):
+        ax = grid[i][j]
         rows = [p for p in pairs if (p["heads"], p["draft_tokens"]) == (heads, draft)]
+        if not rows:
+            ax.set_axis_off()
+            continue
         for color, b in zip(colors, batches):
             pts = sorted((p for p in rows if p["batch"] == b), key=lambda p: p["prompt_len"])
             x = [p["prompt_len"] for p in pts]
@@ -147,7 +153,7 @@ def server_bench_figure(pairs: list[dict]) -> Figure:
             f"{heads} heads per rank, {draft} draft tokens\ntokens/s kdtree / Triton: {min(gains):.2f}-{max(gains):.2f}x"
         )
         ax.grid(alpha=0.3)
-    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    grid[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
     return fig
 
 

@@ -517,3 +517,100 @@ def test_profiled_pairs_say_where_the_time_goes():
     (p,) = pair_rows(rows)
     assert (p["triton_attention_share"], p["attention_speedup"], p["triton_not_on_gpu_ms"]) == (0.8, 8.0, 2.5)
     assert p["amdahl_step_speedup"] == pytest.approx(1 / (0.2 + 0.1))
+
+
+# ----- the projection to a large model and runs merged ---------------------------------------------------------
+def _profiled_pair(heads=8, triton_att=24.0, kdtree_att=0.4):
+    return {"heads": heads, "draft_tokens": 16, "prompt_len": 32768, "batch": 1,
+            "triton_attention_ms": triton_att, "kdtree_attention_ms": kdtree_att}  # fmt: skip
+
+
+def test_a_projection_carries_attention_a_layer_to_the_models_layers():
+    from kdtree.server import projection as pj
+
+    kimi = next(t for t in pj.TARGETS if t.heads_per_rank == 8)
+    r = pj.project(_profiled_pair(), bench_layers=4, target=kimi, other_ms=10.0)
+    assert (r["triton_layer_ms"], r["kdtree_layer_ms"]) == (6.0, 0.1)
+    assert r["triton_step_ms"] == pytest.approx(61 * 6.0 + 10) and r["kdtree_step_ms"] == pytest.approx(61 * 0.1 + 10)
+    assert r["step_speedup"] == pytest.approx(376 / 16.1) and r["triton_attention_share"] == pytest.approx(366 / 376)
+    rows = pj.projections([_profiled_pair(), _profiled_pair(heads=16), {"heads": 8}], bench_layers=4, other_ms=(10.0, 40.0))
+    assert [(r["target"], r["other_ms"]) for r in rows] == [
+        ("Kimi K2.6 at TP8", 10.0), ("Kimi K2.6 at TP8", 40.0), ("DeepSeek-V3 at TP8", 10.0), ("DeepSeek-V3 at TP8", 40.0)
+    ]  # fmt: skip
+    table = pj.format_projections(rows)
+    assert "| Kimi K2.6 at TP8 | 16 | 32768 | 1 | 6.00 / 0.100 | 23.4x | " in table and "rest 40 ms" in table
+    assert pj.format_projections([]) == ""
+    with pytest.raises(ValueError):
+        pj.project(_profiled_pair(), bench_layers=0, target=kimi, other_ms=10.0)
+
+
+def _bench_result(heads, layers=4):
+    prof = {"serve": {"attention_ms_per_step": 0.4, "attention_share_of_wall": 0.1},
+            "triton": {"attention_ms_per_step": 24.0, "attention_share_of_wall": 0.9}}  # fmt: skip
+    rows = [
+        {"heads": heads, "draft_tokens": 16, "backend": b, "prompt_len": 32768, "batch": 1, "tokens_per_s": tps,
+         "step_ms": step, "accept_length": 4.0, "profile": prof[b]}
+        for b, tps, step in (("serve", 800.0, 5.0), ("triton", 160.0, 25.0))
+    ]  # fmt: skip
+    return {"settings": {"heads": [heads], "layers": layers, "hidden_size": 256, "new_tokens": 256, "short_tokens": 32},
+            "rows": rows, "servers": [], "pairs": [], "problems": []}  # fmt: skip
+
+
+def test_bench_server_from_merges_runs_into_one_table_projection_and_figure(tmp_path):
+    for heads in (8, 16):
+        (tmp_path / f"h{heads}.json").write_text(json.dumps(_bench_result(heads)))
+    out = tmp_path / "merged"
+    args = ["bench", "--server", "--from", str(tmp_path / "h8.json"), "--from", str(tmp_path / "h16.json"), "-o", str(out)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    merged = json.loads((out / "bench-server.json").read_text())
+    assert merged["settings"]["heads"] == [8, 16] and len(merged["pairs"]) == 2
+    assert {p["step_speedup"] for p in merged["pairs"]} == {5.0}
+    assert {x["target"] for x in merged["projections"]} == {"Kimi K2.6 at TP8", "DeepSeek-V3 at TP8"}
+    assert "| DeepSeek-V3 at TP8 | 16 | 32768 | 1 | 6.00 / 0.100 |" in r.output
+    assert (out / "bench-server.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "files, extra, message",
+    [
+        (["h8", "h8"], [], "is also in"),
+        (["h8", "l2"], [], "differ from the first file's"),
+        (["h8", "missing"], [], "no such file"),
+        (["h8", "junk"], [], "not readable JSON"),
+        (["h8", "other"], [], "not a `kdtree bench --server` result"),
+        (["h8"], ["--heads", "8"], "do not apply"),
+    ],
+)
+def test_bench_server_from_refuses_what_cannot_merge_and_writes_nothing(tmp_path, files, extra, message):
+    (tmp_path / "h8.json").write_text(json.dumps(_bench_result(8)))
+    (tmp_path / "l2.json").write_text(json.dumps(_bench_result(16, layers=2)))
+    (tmp_path / "junk.json").write_text("{not json")
+    (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
+    args = ["bench", "--server", "-o", str(tmp_path / "o"), *extra]
+    for f in files:
+        args += ["--from", str(tmp_path / f"{f}.json")]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_from_goes_with_server(tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--from", str(tmp_path / "x.json"), "-o", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "--from goes with --server" in r.output
+
+
+def test_a_star_is_no_branch_below_the_root_and_a_ddtree_is():
+    """What the NGRAM capture tests count: SGLang pads a short NGRAM draft with children of the root, so only a
+    node below the root with two children shows a tree (`max_branching_below_root`)."""
+    from kdtree.info import summarize
+    from kdtree.synth import SynthSpec, synthesize
+
+    def tree(kind, n):
+        spec = SynthSpec(preset="kimi-k2-tp8", prefix_lens=[64], tree=kind, num_draft_tokens=n, seed=3)
+        (r,) = summarize(synthesize(spec, reference="none"))["requests"]
+        return r["max_branching"], r["max_branching_below_root"]
+
+    assert tree("star", 16) == (15, 0)
+    assert tree("chain", 16) == (1, 1)
+    assert tree("ddtree", 65)[1] > 1

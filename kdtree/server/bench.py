@@ -217,6 +217,8 @@ def _where_time_goes(kdtree_profile: dict | None, triton_profile: dict | None) -
     k_att, t_att = kdtree_profile["attention_ms_per_step"], triton_profile["attention_ms_per_step"]
     speedup = t_att / k_att if k_att > 0 else None
     return {
+        "triton_attention_ms": t_att,
+        "kdtree_attention_ms": k_att,
         "triton_attention_share": share,
         "attention_speedup": speedup,
         "triton_not_on_gpu_ms": triton_profile.get("not_on_gpu_ms_per_step"),
@@ -300,6 +302,50 @@ def run(
                 result["problems"] += [f"{name}: {why}" for why in r.reasons if "requests not answered" not in why]
                 if missing or unanswered:
                     result["problems"].append(f"{name}: {missing} point(s) not measured, {unanswered} request(s) not answered")
-                result["pairs"] = pair_rows(result["rows"])
+                result |= derived(result["rows"], s.layers)
                 write_json(out_dir / "bench-server.json", result)
     return result
+
+
+def derived(rows: list[dict], layers: int) -> dict:
+    """What a result computes from its rows: the pairs, and the projections of the profiled ones."""
+    from kdtree.server.projection import projections
+
+    pairs = pair_rows(rows)
+    return {"pairs": pairs, "projections": projections(pairs, layers)}
+
+
+def merge(results: list[tuple[str, dict]]) -> dict:
+    """Results of runs over other heads or draft tokens (`kdtree bench --server --from`, e.g. one device call
+    each) as one: their rows, servers and problems, the pairs and projections computed again. Runs must share
+    the model's layers and hidden size, and a point measured twice is refused."""
+    if not results:
+        raise BadInput("--from: at least one bench-server.json")
+    shape = {}
+    rows, servers, problems, seen = [], [], [], {}
+    for where, r in results:
+        if not isinstance(r, dict) or not {"settings", "rows"} <= set(r):
+            raise BadInput(f"--from {where}: not a `kdtree bench --server` result (no settings and rows)")
+        this = {k: r["settings"].get(k) for k in ("layers", "hidden_size", "new_tokens", "short_tokens")}
+        if shape and this != shape:
+            raise BadInput(f"--from {where}: settings {this} differ from the first file's {shape}")
+        shape = this
+        for row in r["rows"]:
+            key = (row["heads"], row["draft_tokens"], row["backend"], row["prompt_len"], row["batch"])
+            if key in seen:
+                raise BadInput(f"--from {where}: point {key} is also in {seen[key]}")
+            seen[key] = where
+            rows.append(row)
+        servers += r.get("servers", [])
+        problems += r.get("problems", [])
+    grid = {
+        name: sorted({row[key] for row in rows})
+        for name, key in (
+            ("heads", "heads"),
+            ("draft_tokens", "draft_tokens"),
+            ("prompt_lens", "prompt_len"),
+            ("batches", "batch"),
+        )
+    }
+    settings = results[0][1]["settings"] | grid | {"merged_from": [w for w, _ in results]}
+    return {"settings": settings, "rows": rows, "servers": servers, "problems": problems} | derived(rows, shape["layers"])

@@ -212,8 +212,9 @@ def _capture_checks(capture_dir: Path, tolerance: float) -> list[dict]:
             "prefix_lens": info["prefix_lens"],
             "num_draft": info["num_draft"],
             "max_branching": max(r["max_branching"] for r in info["requests"]),
-            # a tree past NGRAM's first-step star (the root's children only) both branches and goes deeper
-            "branching_deep": any(r["max_branching"] > 1 and r["depth"] > 1 for r in info["requests"]),
+            # a node below the root with two children: a tree, not a chain with NGRAM's padding at the root
+            "branches_below_root": any(r["max_branching_below_root"] > 1 for r in info["requests"]),
+            "trees": [(r["depth"], r["max_branching"], r["max_branching_below_root"]) for r in info["requests"]],
         }
         for ref in ("capture", "oracle"):
             diffs = diff_capture(cap, impl, ref, tolerance=tolerance)
