@@ -388,6 +388,7 @@ def bench(
     batch: Optional[List[int]] = typer.Option(None, "--batch", help="--server: concurrent requests (repeatable)"),
     draft_tokens: Optional[List[int]] = typer.Option(None, "--draft-tokens", help="--server: NGRAM draft tokens (repeatable)"),
     heads: Optional[List[int]] = typer.Option(None, "--heads", help="--server: heads per rank of the model (repeatable)"),
+    tp: Optional[int] = typer.Option(None, "--tp", help="--server: tensor-parallel size (--tp-size; one GPU a rank)"),
     from_json: Optional[List[Path]] = typer.Option(
         None,
         "--from",
@@ -403,6 +404,8 @@ def bench(
     if chain and sglang_backend:
         raise BadInput("--chain and --sglang do not combine: --sglang times the backend on DDTree steps")
     grid = {"prompt_lens": prompt_len, "batches": batch, "draft_tokens": draft_tokens, "heads": heads}
+    if tp is not None and (not server or from_json):
+        raise BadInput("--tp goes with --server (and not with --from)")
     if from_json and not server:
         raise BadInput("--from goes with --server")
     if server and from_json:
@@ -411,7 +414,7 @@ def bench(
         _bench_server_outputs(_merged_server_runs(from_json), out)
         return
     if server:
-        _bench_server(out, {k: tuple(v) for k, v in grid.items() if v})
+        _bench_server(out, {k: tuple(v) for k, v in grid.items() if v} | ({"tp": tp} if tp is not None else {}))
         return
     if any(grid.values()):
         raise BadInput("--prompt-len, --batch, --draft-tokens and --heads go with --server")
@@ -477,6 +480,8 @@ def _bench_server(out: Path, grid: dict) -> None:
         raise BadInput("kdtree bench --server needs SGLang (pip install -e '.[sglang]')")
     if not torch.cuda.is_available():
         raise BadInput("kdtree bench --server needs a CUDA GPU")
+    if settings.tp > torch.cuda.device_count():
+        raise BadInput(f"--tp {settings.tp}: this machine has {torch.cuda.device_count()} GPU(s)")
     from kdtree.server.process import sigterm_as_interrupt
 
     if out.exists() and not out.is_dir():

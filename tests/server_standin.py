@@ -12,8 +12,11 @@ STANDIN_STEP_MS each plus STANDIN_REQUEST_MS once, and the trace `/stop_profile`
 `/start_profile`, STANDIN_ATTENTION_US of an attention kernel and STANDIN_GEMM_US of another, plus a one-off
 kernel per request.
 
+With `--tp N` it prints as N ranks would: each line of a rank KDTREE_RANKS names (`all`, or `0` by default)
+prefixed `[date TPr]` as SGLang's scheduler does above TP 1, and a capture file per such rank (`-tp<r>`).
+
 Usage: python server_standin.py PORT [--delay S] [--exit-early CODE] [--ignore-sigterm] [--never-ready] [--slow S]
-       [--die-mid-reply]
+       [--die-mid-reply] [--tp N]
 """
 
 from __future__ import annotations
@@ -43,8 +46,19 @@ def say(line: str) -> None:
         print(line, flush=True)
 
 
+def ranks(tp: int) -> list[int]:
+    """The ranks that print and capture: KDTREE_RANKS as kdtree's backend reads it (`all` or ids)."""
+    named = os.environ.get("KDTREE_RANKS", "0")
+    return list(range(tp)) if named == "all" else [r for r in map(int, named.split(",")) if r < tp]
+
+
+def rank_say(rank: int, tp: int, line: str) -> None:
+    say(f"[2026-12-06 00:00:00 TP{rank}] {line}" if tp > 1 else line)
+
+
 class Handler(BaseHTTPRequestHandler):
     mode = "serve"
+    tp = 1
     served = 0
     slow = 0.0  # seconds each /generate takes
     die_mid_reply = False
@@ -136,8 +150,9 @@ class Handler(BaseHTTPRequestHandler):
     def _on_request(self, index: int) -> None:
         rel = os.environ.get("STANDIN_REL", "1.2e-03")
         if self.mode == "shadow":
-            for layer in (0, 1):
-                say(f"[kdtree] L{layer} max_abs_diff=3.9062e-03 mean=3.7e-05 rel={rel}")
+            for rank in ranks(self.tp):
+                for layer in (0, 1):
+                    rank_say(rank, self.tp, f"[kdtree] L{layer} max_abs_diff=3.9062e-03 mean=3.7e-05 rel={rel}")
         elif self.mode == "serve":
             say("[kdtree] serving: first verify step kdtree served (batch 1, 16 draft tokens, 8 heads)")
             say("[kdtree] serving: replaying CUDA graphs kdtree captured (batch size 1 first)")
@@ -148,7 +163,8 @@ class Handler(BaseHTTPRequestHandler):
             directory = os.environ["KDTREE_CAPTURE_DIR"]
             os.makedirs(directory, exist_ok=True)
             cap = synthesize(SynthSpec(batch_size=1, prefix_lens=[40], tree="chain", num_draft_tokens=4, seed=index))
-            save(cap, os.path.join(directory, f"step{index:06d}-L0-tp0.safetensors"), private=True)
+            for rank in ranks(self.tp):
+                save(cap, os.path.join(directory, f"step{index:06d}-L0-tp{rank}.safetensors"), private=True)
 
 
 def main() -> None:
@@ -160,8 +176,9 @@ def main() -> None:
     ap.add_argument("--never-ready", action="store_true")
     ap.add_argument("--slow", type=float, default=0.0)
     ap.add_argument("--die-mid-reply", action="store_true")
+    ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
-    Handler.slow, Handler.die_mid_reply = args.slow, args.die_mid_reply
+    Handler.slow, Handler.die_mid_reply, Handler.tp = args.slow, args.die_mid_reply, args.tp
     child = multiprocessing.get_context("spawn").Process(target=scheduler, args=(args.ignore_sigterm,))
     child.start()
     if args.ignore_sigterm:

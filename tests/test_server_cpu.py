@@ -300,6 +300,39 @@ def test_capture_files_are_validated_diffed_and_must_be_private(tmp_path, monkey
     assert any("not 0o600" in why for why in check.verdict(r, SETTINGS))
 
 
+@pytest.mark.parametrize("mode", ["shadow", "capture"])
+def test_at_tp_2_every_rank_must_print_and_capture(tmp_path, monkeypatch, mode):
+    """Above TP 1 the check asks every rank for its shadow lines (SGLang prefixes them `TP<r>`) and its capture
+    files (`-tp<r>`), and the server is told `KDTREE_RANKS=all`; a server whose rank 1 says nothing fails."""
+    monkeypatch.setenv("PYTHONPATH", standin_env()["PYTHONPATH"])
+    monkeypatch.delenv("KDTREE_RANKS", raising=False)
+    spec = TinySpec(tp=2)
+    r = check.run_mode(mode, tmp_path / "model", spec, SETTINGS, tmp_path, launcher=standin("--tp", "2"))
+    assert r.passed, r.reasons
+    if mode == "shadow":
+        assert r.scan["shadow_ranks"] == [0, 1] and r.scan["shadow_lines"] == 12
+    else:
+        assert {Path(c["path"]).name.split("-")[-1] for c in r.captures} == {"tp0.safetensors", "tp1.safetensors"}
+    one = check.run_mode(mode, tmp_path / "model", spec, SETTINGS, tmp_path, launcher=standin("--tp", "2"),
+                         env={"KDTREE_RANKS": "0"})  # fmt: skip
+    assert not one.passed and any("from TP rank 1" in why for why in one.reasons), one.reasons
+    assert check.server_env(mode, SETTINGS, Path("c"), base={}, tp=2)["KDTREE_RANKS"] == "all"
+    assert check.server_env(mode, SETTINGS, Path("c"), base={"KDTREE_RANKS": "1"}, tp=2)["KDTREE_RANKS"] == "1"
+    assert "KDTREE_RANKS" not in check.server_env(mode, SETTINGS, Path("c"), base={})
+
+
+def test_the_log_reader_takes_the_rank_from_sglangs_prefix():
+    text = "\n".join(
+        [
+            "[2026-12-06 09:41:07 TP1] [kdtree] L3 max_abs_diff=1.0e-03 mean=1.0e-05 rel=2.0e-03",
+            "[2026-12-06 09:41:07 DP0 TP0 EP0] [kdtree] L3 max_abs_diff=1.0e-03 mean=1.0e-05 rel=1.0e-03",
+            "[2026-12-06 09:41:07] [kdtree] L4 max_abs_diff=1.0e-03 mean=1.0e-05 rel=1.0e-03",
+        ]
+    )
+    assert [s.rank for s in logscan.scan(text).shadow] == [1, 0, 0]
+    assert logscan.scan(text).summary()["shadow_ranks"] == [0, 1]
+
+
 def test_a_server_that_dies_mid_reply_fails_its_mode_without_a_traceback(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", standin_env()["PYTHONPATH"])
     s = check.CheckSettings(requests=2, concurrency=1, startup_timeout=30)
@@ -402,8 +435,12 @@ def test_server_bench_settings_size_the_server_for_the_longest_point():
     argv = check.server_argv(Path("m"), 1, cs, s.spec(16), "serve")
     assert argv[argv.index("--cuda-graph-bs-decode") :][:3] == ["--cuda-graph-bs-decode", "1", "16"]
     assert s.spec(16).heads_per_rank == 16
+    tp2 = ServerBenchSettings(heads=(8,), tp=2).spec(8)
+    assert (tp2.heads_per_rank, tp2.tp, tp2.num_heads) == (8, 2, 16)  # 8 a rank, as Kimi at TP8
     with pytest.raises(ValueError, match="--batch"):
         ServerBenchSettings(batches=(0,)).check()
+    with pytest.raises(ValueError, match="--tp"):
+        ServerBenchSettings(tp=0).check()
 
 
 def test_server_bench_prompts_have_exact_lengths_and_distinct_openings(tiny):
@@ -418,6 +455,8 @@ def test_bench_server_options_are_checked_first(tmp_path):
     assert r.exit_code == 2 and "--batch" in r.output and not (tmp_path / "b").exists()
     r = CliRunner().invoke(app, ["bench", "--heads", "8"])
     assert r.exit_code == 2 and "go with --server" in r.output
+    r = CliRunner().invoke(app, ["bench", "--tp", "2"])
+    assert r.exit_code == 2 and "--tp goes with --server" in r.output
 
 
 def test_the_server_bench_times_decode_alone_and_profiles_the_extra_steps(tmp_path, monkeypatch):

@@ -182,6 +182,23 @@ def test_chains_on_pages_of_16_are_captured_and_diff_clean(model, out):
     assert r.passed, r.reasons
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="TP 2 needs two GPUs")
+def test_at_tp_2_both_ranks_shadow_serve_and_capture(out):
+    """`--tp-size 2` over a 16-head checkpoint (8 heads a rank, as Kimi K2.x at TP8): every rank prints shadow
+    lines within tolerance and writes captures that validate and diff clean (`KDTREE_RANKS=all`); serve runs under
+    CUDA graphs with every request answered. NCCL's settings are the machine's, passed on."""
+    spec = replace(SPEC, tp=2)
+    model = build_checkpoint(spec, out / "model-tp2")
+    for mode in ("shadow", "serve", "capture"):
+        r = check.run_mode(mode, model, spec, BASE, out, name=f"tp2-{mode}", env={"KDTREE_LAYERS": "0,1"})
+        (out / f"tp2-{mode}.json").write_text(json.dumps(r.__dict__, default=str, indent=1))
+        assert r.answered == r.requests and r.passed, r.reasons
+        if mode == "shadow":
+            assert r.scan["shadow_ranks"] == [0, 1] and r.scan["worst_rel"] <= TOL
+        if mode == "capture":
+            assert {Path(c["path"]).name.split("-")[-1] for c in r.captures} == {"tp0.safetensors", "tp1.safetensors"}
+
+
 def _cupy_blocked(tmp: Path) -> str:
     """A folder that, first on PYTHONPATH, makes `import cupy` fail as on a machine without CuPy."""
     (tmp / "cupy").mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@
 # (server-check: `kdtree server-check` with the real sgl_kernel when .whl/sgl_kernel312.tar.xz is carried, else the
 #  test stand-in; SERVER_CHECK_ARGS adds options; carry .whl with site312.tar.xz and leave data/ behind;
 #  server-tests: tests/test_server_gpu.py the same way, SERVER_TESTS_K selects tests; bench-server: `kdtree bench
-#  --server` into $OUT, BENCH_SERVER_ARGS adds options)
+#  --server` into $OUT, BENCH_SERVER_ARGS adds options; at TP 2, on two GPUs: SERVER_CHECK_ARGS="--tp 2
+#  --model-dir /tmp/tiny-model-tp2", BENCH_SERVER_ARGS="--tp 2 --heads 8")
 # (selfcheck, tune (this GPU's target, sm_120's, sm_120's at half the tensor rate), report: the first-use
 #  commands of kdtree; tune writes no tuning file here)
 # (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;

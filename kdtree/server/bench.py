@@ -40,6 +40,7 @@ class ServerBenchSettings:
     repeats: int = 3
     layers: int = 4
     hidden_size: int = 256
+    tp: int = 1  # --tp-size: each rank verifies its `heads` against its own KV pool
     # points (prompt length, batch) timed once more under SGLang's profiler, where a step's time goes; None: the
     # longest prompt at each batch up to 4
     profile_points: tuple[tuple[int, int], ...] | None = None
@@ -55,6 +56,8 @@ class ServerBenchSettings:
             values = getattr(self, name)
             if not values or min(values) < 1:
                 raise BadInput(f"{option}: at least one value, each at least 1 (got {list(values)})")
+        if self.tp < 1:
+            raise BadInput(f"--tp must be at least 1, got {self.tp}")
         if min(self.draft_tokens) < 2 or self.new_tokens < 1 or self.short_tokens < 1 or self.repeats < 1:
             raise BadInput("draft tokens must be at least 2; new tokens, short tokens and repeats at least 1")
 
@@ -66,7 +69,11 @@ class ServerBenchSettings:
 
     def spec(self, heads: int) -> TinySpec:
         return TinySpec(
-            heads_per_rank=heads, layers=self.layers, hidden_size=self.hidden_size, context_length=self.context_length
+            heads_per_rank=heads,
+            tp=self.tp,
+            layers=self.layers,
+            hidden_size=self.hidden_size,
+            context_length=self.context_length,
         )
 
     def server(self, draft: int) -> CheckSettings:
@@ -254,7 +261,9 @@ def run(
     `out_dir/bench-server.json` after each server. `launcher` replaces SGLang's command line (`run_mode`)."""
     s.check()
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"settings": asdict(s), "rows": [], "servers": [], "pairs": [], "problems": []}
+    from kdtree.server.check import environment
+
+    result = {"settings": asdict(s), "environment": environment(), "rows": [], "servers": [], "pairs": [], "problems": []}
     for heads in s.heads:
         spec = s.spec(heads)
         model = build_checkpoint(spec, (model_root or out_dir) / f"model-h{heads}-c{spec.context_length}")
@@ -326,7 +335,7 @@ def merge(results: list[tuple[str, dict]]) -> dict:
     for where, r in results:
         if not isinstance(r, dict) or not {"settings", "rows"} <= set(r):
             raise BadInput(f"--from {where}: not a `kdtree bench --server` result (no settings and rows)")
-        this = {k: r["settings"].get(k) for k in ("layers", "hidden_size", "new_tokens", "short_tokens")}
+        this = {k: r["settings"].get(k) for k in ("layers", "hidden_size", "new_tokens", "short_tokens", "tp")}
         if shape and this != shape:
             raise BadInput(f"--from {where}: settings {this} differ from the first file's {shape}")
         shape = this

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -125,9 +126,13 @@ def server_argv(model_dir: Path, port: int, s: CheckSettings, spec: TinySpec, mo
     return argv + list(s.extra_args)
 
 
-def server_env(mode: str, s: CheckSettings, capture_dir: Path, base: dict | None = None) -> dict:
-    """The server's environment: the caller's, plus kdtree's mode and what an offline SGLang 0.5.23 needs."""
+def server_env(mode: str, s: CheckSettings, capture_dir: Path, base: dict | None = None, *, tp: int = 1) -> dict:
+    """The server's environment: the caller's, plus kdtree's mode and what an offline SGLang 0.5.23 needs; above
+    TP 1 every rank prints and captures (`KDTREE_RANKS=all`) unless the caller chose. NCCL's settings are the
+    caller's, passed on as they are."""
     env = dict(os.environ if base is None else base)
+    if tp > 1:
+        env.setdefault("KDTREE_RANKS", "all")
     env.update({"KDTREE_MODE": MODES[mode][0], "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     if mode == "capture":
         env.update(
@@ -234,9 +239,14 @@ def cleanup_problems(stopped: dict) -> list[str]:
     return why
 
 
-def verdict(r: ModeResult, s: CheckSettings) -> list[str]:
-    """Why a mode's run fails the check (empty: it passes)."""
+CAPTURE_RANK_RE = re.compile(r"-tp(\d+)\.safetensors$")
+
+
+def verdict(r: ModeResult, s: CheckSettings, tp: int = 1) -> list[str]:
+    """Why a mode's run fails the check (empty: it passes); above TP 1, shadow lines and captures from every
+    rank."""
     why = []
+    ranks = set(range(tp))
     if r.answered < r.requests:
         why.append(f"{r.requests - r.answered} of {r.requests} requests not answered")
     why += [f"{path} did not answer" for path, ok in r.openai.items() if not ok]
@@ -250,6 +260,9 @@ def verdict(r: ModeResult, s: CheckSettings) -> list[str]:
             why.append(f"worst shadow rel {scan['worst_rel']} > {s.tolerance}")
         if scan.get("nonfinite"):
             why.append(f"{scan['nonfinite']} non-finite values in kdtree's output")
+        missing = ranks - set(scan.get("shadow_ranks") or ())
+        if scan.get("shadow_lines") and missing:
+            why.append(f"no shadow line from TP rank {', '.join(map(str, sorted(missing)))} (KDTREE_RANKS=all prints all)")
     if MODES[r.mode][1]:
         if not scan.get("graph_batch_sizes"):
             why.append("no target-verify CUDA graph captured (SGLang's log has no 'Capture target verify CUDA graph end')")
@@ -269,6 +282,9 @@ def verdict(r: ModeResult, s: CheckSettings) -> list[str]:
                 why.append(f"{name} diffs outside rel {DEFAULT_TOLERANCE}")
             if c["mode"] != "0o600":
                 why.append(f"{name} has mode {c['mode']}, not 0o600")
+        written = {int(m.group(1)) for c in r.captures if (m := CAPTURE_RANK_RE.search(Path(c["path"]).name))}
+        if r.captures and ranks - written:
+            why.append(f"no capture file from TP rank {', '.join(map(str, sorted(ranks - written)))}")
     return why
 
 
@@ -301,7 +317,7 @@ def run_mode(
     port = free_port()
     texts = texts if texts is not None else client.prompts(s.requests, seed=s.seed, min_chars=s.prompt_chars)
     argv = launcher(port) if launcher is not None else server_argv(model_dir, port, s, spec, mode)
-    server = ServerProcess(argv, port=port, log_path=log_path, env=server_env(mode, s, capture_dir) | dict(env or {}))
+    server = ServerProcess(argv, port=port, log_path=log_path, env=server_env(mode, s, capture_dir, tp=spec.tp) | dict(env or {}))
     try:
         with server:
             say(f"{name}: starting the server (port {port})")
@@ -332,11 +348,14 @@ def run_mode(
         say("capture: validating and diffing the captures")
         result.captures = _capture_checks(capture_dir, DEFAULT_TOLERANCE)
     if not result.reasons:  # a server that never came up has no further verdict ...
-        result.reasons = verdict(result, s)
+        result.reasons = verdict(result, s, spec.tp)
     result.reasons += cleanup_problems(result.stopped)  # ... but its clean-up has
     result.passed = not result.reasons
     result.seconds = time.monotonic() - t0
     return result
+
+
+NCCL_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 
 
 def environment() -> dict:
@@ -356,6 +375,9 @@ def environment() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        # what a multi-GPU server's NCCL is told (NVLink multicast off where a machine requires it)
+        "nccl_env": {k: os.environ[k] for k in NCCL_ENV if k in os.environ},
         "sglang": version("sglang"),
         "transformers": version("transformers"),
         "cupy": version("cupy-cuda13x") or version("cupy-cuda12x") or version("cupy"),
@@ -398,7 +420,7 @@ def run_check(
         say(f"building the tiny checkpoint in {model_dir}")
         build_checkpoint(spec, model_dir)
         report["model_dir"] = str(model_dir)
-        report["sgl_kernel"] = sgl_kernel_route(server_env(s.modes[0], s, out_dir / "captures"))
+        report["sgl_kernel"] = sgl_kernel_route(server_env(s.modes[0], s, out_dir / "captures", tp=spec.tp))
         for mode in s.modes:
             r = run_mode(mode, model_dir, spec, s, out_dir, say=say, launcher=launcher)
             report["modes"][mode] = asdict(r)

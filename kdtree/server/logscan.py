@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 _NUM = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))"
 SHADOW_RE = re.compile(rf"\[kdtree\] L(\d+) max_abs_diff={_NUM} mean={_NUM} rel={_NUM}(?: nonfinite=(\d+))?")
 KDTREE_RE = re.compile(r"\[kdtree\] (.*)$")
+# SGLang's scheduler prefixes its lines with its ranks above TP 1: `[2026-12-06 09:41:07 TP1] ...`
+TP_PREFIX_RE = re.compile(r"^\[[^\]]* TP(\d+)\b[^\]]*\]")
 GRAPH_RE = re.compile(r"Capture target verify CUDA graph end\. bs=\[([^\]]*)\]")
 # kdtree's lines that say it did not do what it was asked (the step went to Triton, or capture stopped early)
 FALLBACK_MARKS = ("kdtree failed", "could not prepare", "shadow failed", "capture failed", "capture stopped", "self-check FAILED")
@@ -27,6 +29,7 @@ class ShadowLine:
     mean: float
     rel: float
     nonfinite: int
+    rank: int = 0  # the TP rank that printed it (SGLang names none at TP 1)
 
 
 @dataclass
@@ -73,6 +76,7 @@ class LogScan:
         return {
             "shadow_lines": len(self.shadow),
             "shadow_layers": sorted({s.layer for s in self.shadow}),
+            "shadow_ranks": sorted({s.rank for s in self.shadow}),
             "worst_rel": self.worst_rel,
             "nonfinite": self.nonfinite,
             "graph_batch_sizes": self.graph_batch_sizes,
@@ -98,9 +102,11 @@ def scan(text: str) -> LogScan:
     out = LogScan()
     for line in text.splitlines():
         found = list(SHADOW_RE.finditer(line))  # (two processes' prints may share a line)
+        tp = TP_PREFIX_RE.match(line)
+        rank = int(tp.group(1)) if tp else 0
         for m in found:
             layer, max_abs, mean, rel, nonfinite = m.groups()
-            out.shadow.append(ShadowLine(int(layer), _float(max_abs), _float(mean), _float(rel), int(nonfinite or 0)))
+            out.shadow.append(ShadowLine(int(layer), _float(max_abs), _float(mean), _float(rel), int(nonfinite or 0), rank))
         if found:
             continue
         m = KDTREE_RE.search(line)

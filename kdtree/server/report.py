@@ -18,7 +18,8 @@ def mode_lines(m: dict) -> list[str]:
     ]
     if scan.get("shadow_lines"):
         lines.append(
-            f"  shadow lines {scan['shadow_lines']} (layers {scan['shadow_layers']}), worst rel {_fmt(scan['worst_rel'])}, "
+            f"  shadow lines {scan['shadow_lines']} (layers {scan['shadow_layers']}, TP ranks {scan.get('shadow_ranks', [0])}), "
+            f"worst rel {_fmt(scan['worst_rel'])}, "
             f"non-finite {scan['nonfinite']}"
         )
     if scan.get("graph_batch_sizes"):
