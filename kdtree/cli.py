@@ -672,6 +672,9 @@ def tune_cmd(
     case: Optional[List[str]] = typer.Option(None, "--case", help="bench cases by substring (default: all twelve)"),
     fuzz: int = typer.Option(40, help="fuzz batches of seeds 0 .. N-1 besides the cases"),
     repeat: int = typer.Option(1, help="time and fit this many times (the picks of each against the last's)"),
+    holdout: int = typer.Option(
+        0, help="fuzz batches after the fitted ones (seeds N .. N+holdout-1), timed once to check the tuned picks on"
+    ),
     out: Path = typer.Option(Path("tune-out"), "--out", "-o", help="folder for tune.json"),
     write: bool = typer.Option(True, "--write/--no-write", help="write the tuning file the planner loads"),
     mma_repeat: int = typer.Option(
@@ -686,10 +689,12 @@ def tune_cmd(
     from kdtree.impls import gpu_available
     from kdtree.kernel import source_hash, tuning
 
+    if fuzz < 0 or holdout < 0 or repeat < 1 or mma_repeat < 1:
+        raise BadInput(
+            f"--fuzz and --holdout must be >= 0, --repeat and --mma-repeat >= 1 (got {fuzz}, {holdout}, {repeat}, {mma_repeat})"
+        )
     if not gpu_available():
         raise BadInput("kdtree tune times the kernel: it needs a CUDA GPU with CuPy")
-    if fuzz < 0 or repeat < 1 or mma_repeat < 1:
-        raise BadInput(f"--fuzz must be >= 0, --repeat and --mma-repeat >= 1 (got {fuzz}, {repeat}, {mma_repeat})")
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out {out}: exists and is not a directory")
     batches = tune.batches_to_time(list(case or []), fuzz)
@@ -708,9 +713,17 @@ def tune_cmd(
         write = False
     console = Console(stderr=True)
     with console.status("tune") as status:
-        result = tune.tune(batches, configs, repeat=repeat, say=status.update)
+        held = tune.batches_to_time(None, holdout, first_seed=fuzz)
+        result = tune.tune(batches, configs, repeat=repeat, holdout=held, say=status.update)
     f = result.pop("_model")
     typer.echo(tune.format_summary(result["summary"]))
+    for key, what in (("first_pass_under_last_fit", "the first pass's timings"), ("holdout", f"{holdout} held-out batches")):
+        if key in result:
+            typer.echo(f"\non {what}, under the last pass's fit and picks:")
+            typer.echo("\n".join(tune.format_summary(result[key]).splitlines()[-3:]))  # the geomean lines
+    typer.echo(
+        f"measured picks: {len(result['picks'])} shape class(es)" + "".join(f"\n  {k}: {v}" for k, v in result["picks"].items())
+    )
     typer.echo(f"fit over {len(batches)} batches: rms {f.rms_rel:.1%} of a launch's time; fitted {', '.join(f.fitted)}")
     for kind in sorted(f.model.unit_cost):
         typer.echo(f"  {kind:12s} unit {f.model.unit_cost[kind]:.3f}  segment {f.model.segment_cost[kind]:.2f}")
@@ -721,7 +734,10 @@ def tune_cmd(
     if write:
         path = tuning.tuning_path(props.name, props.multi_processor_count, target)
         sms = props.multi_processor_count
-        tuning.save(tuning.TuningFile(props.name, sms, source_hash(), f.model, f.fitted, f.rms_rel, target=target), path)
+        tuning.save(
+            tuning.TuningFile(props.name, sms, source_hash(), f.model, f.fitted, f.rms_rel, target=target, picks=result["picks"]),
+            path,
+        )
         typer.echo(f"wrote {path} (the planner loads it on this GPU; KDTREE_TUNING=off ignores it)")
     typer.echo(f"wrote {out / 'tune.json'}", err=True)
 

@@ -1,15 +1,24 @@
 """`kdtree tune`: on the present GPU, time every plan the planner weighs for the bench cases and fuzz batches, fit
 the cost model to the timings (`kdtree.kernel.tuning`), and compare the shipped model's picks and the fit's with
-the fastest plan of each batch."""
+the fastest plan of each batch.
+
+Where the fit's pick is more than PICK_MARGIN slower than the fastest plan on a batch, the batch's shape class
+(`kdtree.kernel.planner.shape_class`) gets a measured pick: the plan that was fastest over the class's timed
+batches, which the planner then takes for any batch of that class. Batches timed apart (`holdout`: more fuzz
+seeds) and never fitted or picked on say how far both carry beyond the batches they were made on."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
 import numpy as np
 
+from kdtree.kernel.planner import plan_label
 from kdtree.kernel.tuning import CostModel, Timed, fit, shipped_model
+
+PICK_MARGIN = 0.03  # a class whose fitted picks lose more than this to its fastest plans gets a measured pick
 
 
 @dataclass
@@ -23,23 +32,21 @@ class BatchTimes:
     timed: list[Timed]  # the fit's view of each plan (its slowest block under the shipped model)
     tuned_cost: list[float] = field(default_factory=list)
     weigh: object = field(default=None, repr=False)  # weigh(model=...) -> [(plan, cost)]: `weighed_plans` on this batch
+    shape: str = ""  # `shape_class` of the batch
 
-    def pick(self, costs: list[float]) -> int:
-        return int(np.argmin(costs))  # the first on ties, as `choose_plan`
+    def pick(self, costs: list[float], label: str | None = None) -> int:
+        """The plan `choose_plan` takes: the one labelled `label` where there is one, else the cheapest (the first
+        on ties)."""
+        if label is not None and label in self.labels:
+            return self.labels.index(label)
+        return int(np.argmin(costs))
 
-    def ratio(self, costs: list[float]) -> float:
+    def ratio(self, costs: list[float], label: str | None = None) -> float:
         """The picked plan's time over the fastest plan's."""
-        return self.ms[self.pick(costs)] / min(self.ms)
+        return self.ms[self.pick(costs, label)] / min(self.ms)
 
-
-def plan_label(p) -> str:
-    """A weighed plan by its body and options (row tiles over all keys, cut alike, one row tile a block)."""
-    return (
-        p.config.body
-        + ("" if p.visible_keys else " all-keys")
-        + (" aligned" if p.aligned else "")
-        + (" tile-a-block" if not p.split and p.grid == p.row_tiles else "")
-    )
+    def label_ratio(self, label: str) -> float | None:
+        return self.ms[self.labels.index(label)] / min(self.ms) if label in self.labels else None
 
 
 def slowest_block(p) -> tuple[float, float]:
@@ -63,7 +70,7 @@ def time_batches(batches, configs=None, *, say=lambda _: None) -> list[BatchTime
     from kdtree import bench
     from kdtree.kernel import KernelConfig, VerifyKernel
     from kdtree.kernel.config import target_arch
-    from kdtree.kernel.planner import cost_kind, weighed_plans
+    from kdtree.kernel.planner import cost_kind, shape_class, weighed_plans
     from kdtree.marshal import marshal
     from kdtree.synth import synthesize
 
@@ -80,6 +87,7 @@ def time_batches(batches, configs=None, *, say=lambda _: None) -> list[BatchTime
         bt = BatchTimes(
             name, [], [], [], [], weigh=partial(weighed_plans, args, H, first.num_sms, configs, l2_bytes=first.l2_bytes)
         )
+        bt.shape = shape_class(args, H)
         for p, cost in bt.weigh(model=None):
             run = bench.CaseLaunch(cap, p.to("cuda"), dev, q, pool, *bench.launch_outputs(cap, p))
             bt.labels.append(plan_label(p))
@@ -100,27 +108,63 @@ def retime_costs(times: list[BatchTimes], model: CostModel) -> None:
         bt.tuned_cost = [c for _, c in weighed]
 
 
-def summary(times: list[BatchTimes]) -> dict:
-    """Per batch the shipped pick's and the tuned pick's time over the fastest plan's; their geomeans and worst."""
-    rows = [
-        {
-            "batch": bt.name,
-            "fastest": bt.labels[int(np.argmin(bt.ms))],
-            "shipped_pick": bt.labels[bt.pick(bt.shipped_cost)],
-            "shipped_ratio": bt.ratio(bt.shipped_cost),
-            "tuned_pick": bt.labels[bt.pick(bt.tuned_cost)] if bt.tuned_cost else None,
-            "tuned_ratio": bt.ratio(bt.tuned_cost) if bt.tuned_cost else None,
-        }
-        for bt in times
-    ]
+def measured_picks(times: list[BatchTimes], margin: float = PICK_MARGIN) -> dict[str, str]:
+    """Per shape class whose fitted picks lose more than `margin` to the fastest plan on one of its batches: the
+    plan (by label) with the least summed log time over the fastest across the class's batches, among the plans
+    every one of them weighs - kept where it beats the fitted picks there."""
+    by_class: dict[str, list[BatchTimes]] = {}
+    for bt in times:
+        by_class.setdefault(bt.shape, []).append(bt)
+    picks = {}
+    for shape, bts in sorted(by_class.items()):
+        fitted = [bt.ratio(bt.tuned_cost) for bt in bts]
+        if max(fitted) <= 1 + margin:
+            continue
+        common = [lab for lab in bts[0].labels if all(lab in bt.labels for bt in bts)]
+        if not common:
+            continue
+        loss = {lab: sum(math.log(bt.label_ratio(lab)) for bt in bts) for lab in common}
+        best = min(common, key=lambda lab: loss[lab])  # the first on ties
+        if loss[best] < sum(math.log(r) for r in fitted):
+            picks[shape] = best
+    return picks
+
+
+def summary(times: list[BatchTimes], picks: dict[str, str] | None = None) -> dict:
+    """Per batch the shipped pick's, the fit's and the tuned planner's (the fit with the measured picks) time over
+    the fastest plan's; their geomeans and worst."""
+    picks = picks or {}
+    rows = []
+    for bt in times:
+        label = picks.get(bt.shape)
+        tuned = bool(bt.tuned_cost)
+        rows.append(
+            {
+                "batch": bt.name,
+                "shape": bt.shape,
+                "fastest": bt.labels[int(np.argmin(bt.ms))],
+                "shipped_pick": bt.labels[bt.pick(bt.shipped_cost)],
+                "shipped_ratio": bt.ratio(bt.shipped_cost),
+                "fit_ratio": bt.ratio(bt.tuned_cost) if tuned else None,
+                "tuned_pick": bt.labels[bt.pick(bt.tuned_cost, label)] if tuned else None,
+                "tuned_ratio": bt.ratio(bt.tuned_cost, label) if tuned else None,
+                "measured_pick": label if tuned and label in bt.labels else None,
+            }
+        )
 
     def geo(key):
         vals = [r[key] for r in rows if r[key] is not None]
         return float(np.exp(np.mean(np.log(vals)))) if vals else None
 
     worst = lambda key: max((r[key] for r in rows if r[key] is not None), default=None)  # noqa: E731
-    return {"rows": rows, "shipped": {"geomean": geo("shipped_ratio"), "worst": worst("shipped_ratio")},
-            "tuned": {"geomean": geo("tuned_ratio"), "worst": worst("tuned_ratio")}}  # fmt: skip
+    out = {"rows": rows}
+    for name, key in (("shipped", "shipped_ratio"), ("fit", "fit_ratio"), ("tuned", "tuned_ratio")):
+        out[name] = {"geomean": geo(key), "worst": worst(key)}
+    out["within_margin"] = {
+        name: sum(r[key] <= 1 + PICK_MARGIN for r in rows if r[key] is not None)
+        for name, key in (("shipped", "shipped_ratio"), ("tuned", "tuned_ratio"))
+    }
+    return out
 
 
 def format_summary(s: dict) -> str:
@@ -128,40 +172,56 @@ def format_summary(s: dict) -> str:
     lines = [head]
     for r in s["rows"]:
         tuned = f"{r['tuned_pick'] or '-':26s} {r['tuned_ratio']:6.3f}" if r["tuned_ratio"] else f"{'-':26s} {'-':>6s}"
+        mark = " (measured)" if r.get("measured_pick") else ""
         lines.append(
-            f"{r['batch'][:34]:34s} {r['fastest'][:26]:26s} {r['shipped_pick'][:26]:26s} {r['shipped_ratio']:6.3f} {tuned}"
+            f"{r['batch'][:34]:34s} {r['fastest'][:26]:26s} {r['shipped_pick'][:26]:26s} {r['shipped_ratio']:6.3f} {tuned}{mark}"
         )
-    for k in ("shipped", "tuned"):
-        if s[k]["geomean"] is not None:
-            lines.append(f"{k} picks over the fastest: geomean {s[k]['geomean']:.3f}, worst {s[k]['worst']:.3f}")
+    n = len(s["rows"])
+    for k in ("shipped", "fit", "tuned"):
+        if s.get(k, {}).get("geomean") is not None:
+            within = s.get("within_margin", {}).get(k)
+            count = f"; within {PICK_MARGIN:.0%} of the fastest on {within} of {n}" if within is not None else ""
+            lines.append(f"{k} picks over the fastest: geomean {s[k]['geomean']:.3f}, worst {s[k]['worst']:.3f}{count}")
     return "\n".join(lines)
 
 
-def batches_to_time(cases: list[str], fuzz: int) -> list[tuple[str, object]]:
-    """The bench cases (substrings; none: all twelve) and fuzz batches of seeds 0 .. fuzz-1."""
+def batches_to_time(cases: list[str], fuzz: int, first_seed: int = 0) -> list[tuple[str, object]]:
+    """The bench cases (substrings; none: all twelve; `None`: no case) and fuzz batches of seeds
+    first_seed .. first_seed + fuzz - 1."""
     from kdtree import bench
     from kdtree.fuzz import fuzz_spec
 
-    out = [(c.name, c.spec()) for c in bench.select_cases(cases)]
-    return out + [(f"fuzz seed {s}", fuzz_spec(s)) for s in range(fuzz)]
+    out = [] if cases is None else [(c.name, c.spec()) for c in bench.select_cases(cases)]
+    return out + [(f"fuzz seed {s}", fuzz_spec(s)) for s in range(first_seed, first_seed + fuzz)]
 
 
-def tune(batches, configs=None, *, repeat: int = 1, say=lambda _: None) -> dict:
-    """Time every weighed plan of every batch (`repeat` times), fit the cost model to each pass, and compare the
-    shipped model's picks and each fit's with the fastest plans. The last pass's fit is the result."""
+def tune(batches, configs=None, *, repeat: int = 1, holdout=(), say=lambda _: None) -> dict:
+    """Time every weighed plan of every batch (`repeat` times), fit the cost model to each pass and take the
+    measured picks of the classes the fit misses, and compare the shipped model's picks and the tuned planner's
+    with the fastest plans. The last pass's fit and picks are the result; the `holdout` batches, timed once after
+    and used for nothing else, say how they carry to batches they were not made on."""
     passes = []
     for i in range(repeat):
         times = time_batches(batches, configs, say=lambda m, i=i: say(f"pass {i + 1}: {m}"))
         f = fit([t for bt in times for t in bt.timed])
         retime_costs(times, f.model)
-        passes.append((times, f))
-    times, f = passes[-1]
+        passes.append((times, f, measured_picks(times)))
+    times, f, picks = passes[-1]
     out = {"fit": {"model": asdict(f.model), "fitted": f.fitted, "rms_rel": f.rms_rel, "intercept_ms": f.intercept_ms,
-                   "ms_per_unit": f.ms_per_unit}, "summary": summary(times)}  # fmt: skip
+                   "ms_per_unit": f.ms_per_unit}, "picks": picks, "summary": summary(times, picks)}  # fmt: skip
     if repeat > 1:  # the same picks within noise: each pass's tuned picks against the last's
-        last = [bt.labels[bt.pick(bt.tuned_cost)] for bt in times]
+        last = [bt.labels[bt.pick(bt.tuned_cost, picks.get(bt.shape))] for bt in times]
         out["repeat_same_picks"] = [
-            sum(a == b for a, b in zip([bt.labels[bt.pick(bt.tuned_cost)] for bt in t], last)) / len(last) for t, _ in passes
+            sum(a == b for a, b in zip([bt.labels[bt.pick(bt.tuned_cost, p.get(bt.shape))] for bt in t], last)) / len(last)
+            for t, _, p in passes
         ]
+        # the last pass's fit and picks on the first pass's timings: the picks' loss to noise alone
+        first = passes[0][0]
+        retime_costs(first, f.model)
+        out["first_pass_under_last_fit"] = summary(first, picks)
+    if holdout:
+        held = time_batches(holdout, configs, say=lambda m: say(f"holdout: {m}"))
+        retime_costs(held, f.model)
+        out["holdout"] = summary(held, picks)
     out["_model"] = f
     return out

@@ -134,3 +134,98 @@ def test_a_batchs_picks_are_read_against_its_fastest_plan():
     assert (row["fastest"], row["shipped_pick"], row["tuned_pick"]) == ("y", "x", "y")
     assert row["shipped_ratio"] == pytest.approx(1.25) and row["tuned_ratio"] == 1.0
     assert "tuned picks over the fastest: geomean 1.000" in tune.format_summary(s)
+
+
+# ----- measured picks: where the fit's pick loses to the fastest plan of a shape class ---------------------------
+def _bt(name, shape, ms, fit_cost, labels=("a", "b", "c")):
+    return tune.BatchTimes(name, list(labels), list(ms), list(fit_cost), [], tuned_cost=list(fit_cost), shape=shape)
+
+
+def test_a_class_the_fit_misses_gets_the_plan_measured_fastest_over_its_batches():
+    times = [
+        _bt("x1", "X", [1.00, 1.10, 1.30], [1, 2, 3]),  # the fit picks a, the fastest: fine
+        _bt("y1", "Y", [1.20, 1.00, 1.02], [1, 2, 3]),  # the fit picks a, 20 % off
+        _bt("y2", "Y", [1.10, 1.04, 1.00], [1, 2, 3]),  # here c is fastest; b loses 4 %, c 0 %
+        _bt("z1", "Z", [1.05, 1.00, 2.00], [1, 3, 2]),  # 5 % off, but b is the only better plan ...
+        _bt("z2", "Z", [1.00, 1.50, 2.00], [1, 3, 2]),  # ... and it loses 50 % on the class's other batch
+    ]
+    picks = tune.measured_picks(times)
+    assert picks == {"Y": "c"}  # c: 2 % + 0 % beats b: 0 % + 4 %; Z's fitted picks are the best it has
+    s = tune.summary(times, picks)
+    by = {r["batch"]: r for r in s["rows"]}
+    assert (by["y1"]["tuned_pick"], by["y1"]["measured_pick"], by["y1"]["fit_ratio"]) == ("c", "c", pytest.approx(1.2))
+    assert by["y1"]["tuned_ratio"] == pytest.approx(1.02) and by["x1"]["measured_pick"] is None
+    assert s["within_margin"] == {"shipped": 2, "tuned": 4} and s["fit"]["worst"] == pytest.approx(1.2)
+    assert "within 3% of the fastest on 4 of 5" in tune.format_summary(s)
+
+
+def test_a_measured_pick_needs_a_plan_every_batch_of_its_class_weighs():
+    times = [_bt("y1", "Y", [2.0, 1.0], [1, 2], labels=("a", "b")), _bt("y2", "Y", [2.0, 1.0], [1, 2], labels=("a", "c"))]
+    assert tune.measured_picks(times) == {}  # only a is in both, and it is the fit's own pick
+
+
+def test_the_planner_takes_a_tuning_files_pick_for_the_batchs_class_and_only_there():
+    from kdtree.fuzz import fuzz_spec
+    from kdtree.kernel import KernelConfig
+    from kdtree.kernel.planner import choose_plan, plan_label, shape_class, weighed_plans
+    from kdtree.marshal import marshal
+    from kdtree.synth import synthesize
+
+    cap = synthesize(fuzz_spec(22), reference=False)
+    args, H = marshal(cap), cap.meta.num_heads
+    configs = KernelConfig.candidates("sm_90")
+    weighed = weighed_plans(args, H, 132, configs, l2_bytes=60 << 20)
+    cheapest = plan_label(min(weighed, key=lambda pc: pc[1])[0])
+    other = next(plan_label(p) for p, _ in weighed if plan_label(p) != cheapest)
+    shape = shape_class(args, H)
+    assert shape.startswith(f"h{H}-n") and f"-b{1 << max(0, args.batch_size - 1).bit_length()}" in shape
+    assert plan_label(choose_plan(args, H, 132, configs, l2_bytes=60 << 20)) == cheapest
+    assert plan_label(choose_plan(args, H, 132, configs, l2_bytes=60 << 20, picks={shape: other})) == other
+    assert plan_label(choose_plan(args, H, 132, configs, l2_bytes=60 << 20, picks={"h1-n1-k1-b1": other})) == cheapest
+    assert plan_label(choose_plan(args, H, 132, configs, l2_bytes=60 << 20, picks={shape: "no such plan"})) == cheapest
+
+
+def test_a_tuning_files_picks_round_trip_and_malformed_ones_are_refused(tmp_path):
+    from kdtree.kernel import source_hash
+
+    f = tuning.fit(timings(TRUE))
+    path = tmp_path / "t.json"
+    tuning.save(TuningFile("GPU A", 188, source_hash(), f.model, f.fitted, picks={"h8-n16-k4096-b1": "blocks64"}), path)
+    assert tuning.load(path, gpu="GPU A", sms=188, source_hash=source_hash()).picks == {"h8-n16-k4096-b1": "blocks64"}
+    d = json.loads(path.read_text())
+    d["picks"] = {"h8-n16-k4096-b1": 3}
+    path.write_text(json.dumps(d))
+    with pytest.raises(TuneError, match="corrupt.*picks"):
+        tuning.load(path, gpu="GPU A", sms=188, source_hash=source_hash())
+
+
+def test_tune_fits_picks_and_checks_them_on_the_first_pass_and_held_out_batches(monkeypatch):
+    """`tune` on timings made up by a stand-in for the GPU (time_batches: the kernel cannot run here): each pass
+    fitted and picked, the last pass's fit and picks read against the first pass's timings and held-out batches."""
+    calls = []
+
+    def fake_time_batches(batches, configs=None, say=None):
+        calls.append([name for name, _ in batches])
+        out = []
+        for i, (name, _) in enumerate(batches):
+            rng = np.random.default_rng(len(calls) * 100 + i)
+            tm = timings(TRUE, seed=i, kinds=("wgmma64", "mma64", "mma32"))[:6] + timings(TRUE, seed=i)[12:18]
+            labels = [f"p{j}" for j in range(len(tm))]
+            ms = [t.ms * (1 + 0.01 * rng.standard_normal()) for t in tm]
+            weigh = lambda model, tm=tm: [(_Plan(f"p{j}"), (model or TRUE).unit_cost[t.kind] * t.units) for j, t in enumerate(tm)]  # noqa: E731
+            out.append(tune.BatchTimes(name, labels, ms, [c for _, c in weigh(None)], tm, weigh=weigh, shape=f"S{i % 3}"))
+        return out
+
+    class _Plan:
+        def __init__(self, label):
+            self.label = label
+
+    monkeypatch.setattr(tune, "time_batches", fake_time_batches)
+    monkeypatch.setattr(tune, "plan_label", lambda p: p.label)
+    batches = [(f"b{i}", None) for i in range(6)]
+    r = tune.tune(batches, repeat=2, holdout=[("h0", None), ("h1", None)])
+    assert calls == [[f"b{i}" for i in range(6)]] * 2 + [["h0", "h1"]]
+    assert len(r["repeat_same_picks"]) == 2 and r["repeat_same_picks"][-1] == 1.0
+    assert {"first_pass_under_last_fit", "holdout", "picks", "summary"} <= set(r)
+    assert [row["batch"] for row in r["holdout"]["rows"]] == ["h0", "h1"]
+    assert all(row["tuned_ratio"] >= 1.0 for row in r["summary"]["rows"] + r["holdout"]["rows"])

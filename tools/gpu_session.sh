@@ -94,10 +94,10 @@ for w in "$@"; do
     selfcheck) step selfcheck 300 python3 -m kdtree selfcheck --force ;;
     tune) # the three bars of the tuner in one run: this GPU's configurations, sm_120's, and sm_120's at half the
           # tensor rate (every mma.sync issued twice); each timed and fitted twice (--repeat 2)
-          step tune 560 python3 -m kdtree tune -o "$OUT/tune" --repeat 2 --no-write
-          step tune-sm120 560 env KDTREE_KERNEL_TARGET=sm_120 python3 -m kdtree tune -o "$OUT/tune-sm120" --repeat 2 --no-write
+          step tune 560 python3 -m kdtree tune -o "$OUT/tune" --repeat 2 --holdout 20 --no-write
+          step tune-sm120 560 env KDTREE_KERNEL_TARGET=sm_120 python3 -m kdtree tune -o "$OUT/tune-sm120" --repeat 2 --holdout 20 --no-write
           step tune-sm120-half 560 env KDTREE_KERNEL_TARGET=sm_120 python3 -m kdtree tune -o "$OUT/tune-sm120-half" \
-            --repeat 2 --mma-repeat 2 ;;
+            --repeat 2 --holdout 20 --mma-repeat 2 ;;
     report) step report 600 python3 -m kdtree report -o "$OUT/report" ;;
     bench-server) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1
                   [ -f .whl/sgl_kernel312.tar.xz ] && tar -xJf .whl/sgl_kernel312.tar.xz -C /tmp/site

@@ -293,12 +293,21 @@ class VerifyKernel:
     def plan(self, args: VerifyArgs, num_heads: int) -> LaunchPlan:
         """The launch plan for this batch on this GPU, with the cheapest of this kernel's configurations (host
         side, before any capture; compiles that configuration if it has not been yet), priced by the cost model
-        `kdtree tune` fitted to this GPU where it wrote one for this kernel source (`kdtree.tune.active_model`)."""
+        `kdtree tune` fitted to this GPU, with its measured picks, where it wrote one for this kernel source
+        (`kdtree.kernel.tuning.active_tuning`)."""
         from kdtree.kernel.config import target_arch
-        from kdtree.kernel.tuning import active_model
+        from kdtree.kernel.tuning import active_tuning
 
-        model = active_model(self.gpu_name, self.num_sms, target_arch()) if self.source == SOURCE else None
-        p = choose_plan(args, num_heads, self.num_sms, self.configs, l2_bytes=self.l2_bytes, model=model)
+        t = active_tuning(self.gpu_name, self.num_sms, target_arch()) if self.source == SOURCE else None
+        p = choose_plan(
+            args,
+            num_heads,
+            self.num_sms,
+            self.configs,
+            l2_bytes=self.l2_bytes,
+            model=t.model if t else None,
+            picks=t.picks if t else None,
+        )
         self.compiled(p.config)
         return p
 

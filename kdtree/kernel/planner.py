@@ -462,9 +462,50 @@ def pool_row_bytes(args: VerifyArgs) -> int:
     return int(args.combined_kv_indptr[-1] - args.combined_kv_indptr[0]) * POOL_ROW_BYTES
 
 
-def choose_plan(args: VerifyArgs, num_heads: int, num_sms: int, configs: tuple[KernelConfig, ...], **options) -> LaunchPlan:
-    """The cheapest of `weighed_plans` (the first on ties); `options` are its keywords (`l2_bytes`, `aligned`)."""
-    return min(weighed_plans(args, num_heads, num_sms, configs, **options), key=lambda pc: pc[1])[0]
+def choose_plan(
+    args: VerifyArgs,
+    num_heads: int,
+    num_sms: int,
+    configs: tuple[KernelConfig, ...],
+    *,
+    picks: dict[str, str] | None = None,
+    **options,
+) -> LaunchPlan:
+    """The cheapest of `weighed_plans` (the first on ties); `options` are its keywords (`l2_bytes`, `aligned`,
+    `model`). `picks` (a tuning file's): for a batch of a shape class it names, the plan it measured fastest
+    there, where that plan is weighed."""
+    weighed = weighed_plans(args, num_heads, num_sms, configs, **options)
+    return pick_plan(weighed, (picks or {}).get(shape_class(args, num_heads)))
+
+
+def pick_plan(weighed: list[tuple[LaunchPlan, float]], label: str | None = None) -> LaunchPlan:
+    """The weighed plan labelled `label` (`plan_label`) where there is one, else the cheapest (the first on ties)."""
+    if label is not None:
+        for p, _ in weighed:
+            if plan_label(p) == label:
+                return p
+    return min(weighed, key=lambda pc: pc[1])[0]
+
+
+def plan_label(p: LaunchPlan) -> str:
+    """A weighed plan by its body and options (row tiles over all keys, cut alike, one row tile a block)."""
+    return (
+        p.config.body
+        + ("" if p.visible_keys else " all-keys")
+        + (" aligned" if p.aligned else "")
+        + (" tile-a-block" if not p.split and p.grid == p.row_tiles else "")
+    )
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def shape_class(args: VerifyArgs, num_heads: int) -> str:
+    """A batch's class for a tuning file's measured picks: its heads, and the powers of two at or above its
+    largest draft, its keys (all requests') and its batch size."""
+    keys = int(args.combined_kv_indptr[-1] - args.combined_kv_indptr[0])
+    return f"h{num_heads}-n{_pow2(args.max_num_draft)}-k{_pow2(keys)}-b{_pow2(args.batch_size)}"
 
 
 def weighed_plans(

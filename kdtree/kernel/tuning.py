@@ -117,6 +117,7 @@ class TuningFile:
     rms_rel: float = 0.0
     made_at: str = ""
     target: str = ""  # the configurations fitted (the GPU's own target, or $KDTREE_KERNEL_TARGET's)
+    picks: dict[str, str] = field(default_factory=dict)  # shape class -> the plan measured fastest there (`kdtree.tune`)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, **asdict(self)}
@@ -156,7 +157,10 @@ def load(path: Path, *, gpu: str, sms: int, source_hash: str, target: str = "") 
             rms_rel=float(d.get("rms_rel", 0.0)),
             made_at=str(d.get("made_at", "")),
             target=str(d.get("target", "")),
+            picks=dict(d.get("picks", {})),
         )
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in t.picks.items()):
+            raise ValueError("picks must map shape classes to plan labels (strings)")
     except (KeyError, TypeError, ValueError) as e:
         raise TuneError(f"{path}: corrupt (a field is missing or malformed: {type(e).__name__}: {e})") from e
     if (t.gpu, t.sms, t.target) != (gpu, sms, target):
@@ -185,8 +189,14 @@ _active: dict = {}
 
 
 def active_model(gpu: str, sms: int, target: str = "", env: dict | None = None) -> CostModel | None:
-    """The cost model the planner uses on this GPU: the tuning file `kdtree tune` wrote for it (or the one
-    $KDTREE_TUNING names), else None (the shipped constants). A file that cannot be used is said once (logger
+    """The cost model of `active_tuning`, or None (the shipped constants)."""
+    t = active_tuning(gpu, sms, target, env)
+    return t.model if t is not None else None
+
+
+def active_tuning(gpu: str, sms: int, target: str = "", env: dict | None = None) -> TuningFile | None:
+    """The tuning the planner uses on this GPU: the file `kdtree tune` wrote for it (or the one $KDTREE_TUNING
+    names), else None (the shipped constants, no measured picks). A file that cannot be used is said once (logger
     `kdtree`) and ignored; KDTREE_TUNING=off ignores any."""
     import logging
 
@@ -200,11 +210,11 @@ def active_model(gpu: str, sms: int, target: str = "", env: dict | None = None) 
     path = Path(named) if named else tuning_path(gpu, sms, target, cache_dir(env))
     key = (str(path), gpu, sms, target)
     if key not in _active:
-        model = None
+        tuning = None
         if path.exists() or named:
             try:
-                model = load(path, gpu=gpu, sms=sms, source_hash=source_hash(), target=target).model
+                tuning = load(path, gpu=gpu, sms=sms, source_hash=source_hash(), target=target)
             except TuneError as e:
                 logging.getLogger("kdtree").warning("[kdtree] tuning file not used: %s; the shipped cost model plans", e)
-        _active[key] = model
+        _active[key] = tuning
     return _active[key]
