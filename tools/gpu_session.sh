@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
-# Usage (device machine, repository root): tools/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|server-check|server-tests|bench-server|selfcheck|tune|report|all] ...
+# Usage (device machine, repository root): tools/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|server-check|server-tests|bench-server|gpu-suite|selfcheck|tune|report|all] ...
 # (bench-chain: the chain cases with FlashInfer's causal MLA kernel beside kdtree; carry .whl/fi312.tar.xz alone)
 # (bench-chain-fa2: sm_120's configuration against FlashInfer's portable fa2 kernel, first as its dispatch sizes it
 #  for this GPU, then on a copy of FlashInfer edited to take the branch it takes at sm_120's ~100 KB a SM; carry
@@ -15,6 +15,8 @@
 #  --model-dir /tmp/tiny-model-tp2", BENCH_SERVER_ARGS="--tp 2 --heads 8")
 # (selfcheck, tune (this GPU's target, sm_120's, sm_120's at half the tensor rate), report: the first-use
 #  commands of kdtree; tune writes no tuning file here)
+# (gpu-suite: `pytest -m gpu` without the live-server tests, GPU_SUITE_K selects, PYTEST_WORKERS workers where
+#  .whl/extra holds pytest-xdist)
 # (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;
 #  quick: the shipped captures, the fused merge and determinism tests only)
 set -uo pipefail
@@ -25,8 +27,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then   # carried wheels (SGLang and what its i
 elif [ -f .whl/site312.tar.xz ]; then    # ... or those wheels installed here for cp312 and packed (xz: 17 MB, not 50; tools/pack_sglang.sh)
   mkdir -p /tmp/site && tar -xJf .whl/site312.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site
 fi
+if ls .whl/extra/*.whl >/dev/null 2>&1; then  # pure-Python test tools (pytest-xdist, execnet: tools/README.md)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/extra/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 # the repository, and tests/ for the sgl_kernel stand-in (tests/sglang_harness) the sglang-* scripts import
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/tests" PYTHONUNBUFFERED=1
+# pytest's workers where pytest-xdist was carried: the kernel tests in PYTEST_WORKERS processes on the one GPU
+workers() { python3 -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-4}"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n 25 "$OUT/$name.log"; echo "== $name rc=$rc ($((SECONDS - t0)) s)"
@@ -68,7 +76,10 @@ for w in "$@"; do
                  fi ;;
     bench-ref) ref=$(ls -d ref-*/ 2>/dev/null | head -n 1)  # an earlier commit's kdtree/ and kernels/ (git archive), carried
                [ -n "$ref" ] && (cd "$ref" && step bench-ref 240 python3 -m kdtree bench -o "$OUT/ref" --no-sglang) ;;  # (python -m imports from the working directory first)
-    test) step test-gpu 570 python3 -m pytest -q tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
+    test) step test-gpu 570 python3 -m pytest -q $(workers) tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
+    gpu-suite) # every gpu-marked test but the live servers' (server-tests), in workers where pytest-xdist is carried
+               step gpu-suite "${GPU_SUITE_LIMIT:-580}" python3 -m pytest -q -rs $(workers) -m gpu tests \
+                 --ignore tests/test_server_gpu.py ${GPU_SUITE_K:+-k "$GPU_SUITE_K"} ;;
     variants) step variants 300 python3 tools/variants.py --json "$OUT/variants.json" ;;
     tensor-rate) step tensor-rate 420 python3 tools/variants.py --mma-ceilings --repeat 3 --cases "" \
                    --variants sm120 bm64_regs --mma-repeat 1 2 --json "$OUT/tensor-rate.json" ;;
