@@ -76,11 +76,11 @@ def format_summary(s: dict) -> str:
         + f"  layers {s['layers']}  tokens {s['num_tokens']}",
         f"  pool {pool['pool_size']} slots (page {pool['page_size']}), {pool['referenced_slots']} referenced "
         f"({100 * pool['occupancy']:.1f}%), mean run of consecutive slots {pool['mean_run_length']:.1f}",
-        "  req  prefix_len    N  depth  leaves  max_branch  slot_runs",
+        "  req  prefix_len    N  depth  leaves  max_branch  below_root  slot_runs",
     ]
     for r in s["requests"]:
         lines.append(
             f"  {r['request']:>3}  {r['prefix_len']:>10}  {r['num_draft']:>3}  {r['depth']:>5}  {r['leaves']:>6}  "
-            f"{r['max_branching']:>10}  {r['slot_runs']:>9}"
+            f"{r['max_branching']:>10}  {r['max_branching_below_root']:>10}  {r['slot_runs']:>9}"
         )
     return "\n".join(lines)
