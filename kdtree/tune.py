@@ -191,7 +191,8 @@ def batches_to_time(cases: list[str], fuzz: int, first_seed: int = 0) -> list[tu
     from kdtree import bench
     from kdtree.fuzz import fuzz_spec
 
-    out = [] if cases is None else [(c.name, c.spec()) for c in bench.select_cases(cases)]
+    picked = [] if cases is None else bench.select_cases(cases) if cases else list(bench.BENCH_CASES)
+    out = [(c.name, c.spec()) for c in picked]
     return out + [(f"fuzz seed {s}", fuzz_spec(s)) for s in range(first_seed, first_seed + fuzz)]
 
 

@@ -229,3 +229,13 @@ def test_tune_fits_picks_and_checks_them_on_the_first_pass_and_held_out_batches(
     assert {"first_pass_under_last_fit", "holdout", "picks", "summary"} <= set(r)
     assert [row["batch"] for row in r["holdout"]["rows"]] == ["h0", "h1"]
     assert all(row["tuned_ratio"] >= 1.0 for row in r["summary"]["rows"] + r["holdout"]["rows"])
+
+
+def test_tune_times_all_twelve_bench_cases_unless_told_and_held_out_seeds_follow_the_fitted():
+    from kdtree import bench
+
+    assert [n for n, _ in tune.batches_to_time([], 2)] == [c.name for c in bench.BENCH_CASES] + ["fuzz seed 0", "fuzz seed 1"]
+    assert len(bench.BENCH_CASES) == 12
+    assert [n for n, _ in tune.batches_to_time(None, 2, first_seed=40)] == ["fuzz seed 40", "fuzz seed 41"]
+    picked = tune.batches_to_time([bench.BENCH_CASES[0].name], 0)
+    assert [n for n, _ in picked] == [bench.BENCH_CASES[0].name]
