@@ -12,8 +12,9 @@ STANDIN_STEP_MS each plus STANDIN_REQUEST_MS once, and the trace `/stop_profile`
 `/start_profile`, STANDIN_ATTENTION_US of an attention kernel and STANDIN_GEMM_US of another, plus a one-off
 kernel per request.
 
-With `--tp N` it prints as N ranks would: each line of a rank KDTREE_RANKS names (`all`, or `0` by default)
-prefixed `[date TPr]` as SGLang's scheduler does above TP 1, and a capture file per such rank (`-tp<r>`).
+With `--tp N` it prints as N ranks would: a shadow line of each rank KDTREE_RANKS names (`all`, or `0` by
+default) as kdtree's backend prints it above TP 1 (`[kdtree] TP<r> L<layer> ...`), and a capture file per such
+rank (`-tp<r>`).
 
 Usage: python server_standin.py PORT [--delay S] [--exit-early CODE] [--ignore-sigterm] [--never-ready] [--slow S]
        [--die-mid-reply] [--tp N]
@@ -50,10 +51,6 @@ def ranks(tp: int) -> list[int]:
     """The ranks that print and capture: KDTREE_RANKS as kdtree's backend reads it (`all` or ids)."""
     named = os.environ.get("KDTREE_RANKS", "0")
     return list(range(tp)) if named == "all" else [r for r in map(int, named.split(",")) if r < tp]
-
-
-def rank_say(rank: int, tp: int, line: str) -> None:
-    say(f"[2026-12-06 00:00:00 TP{rank}] {line}" if tp > 1 else line)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -152,7 +149,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.mode == "shadow":
             for rank in ranks(self.tp):
                 for layer in (0, 1):
-                    rank_say(rank, self.tp, f"[kdtree] L{layer} max_abs_diff=3.9062e-03 mean=3.7e-05 rel={rel}")
+                    who = f"TP{rank} " if self.tp > 1 else ""  # as kdtree's backend prints it
+                    say(f"[kdtree] {who}L{layer} max_abs_diff=3.9062e-03 mean=3.7e-05 rel={rel}")
         elif self.mode == "serve":
             say("[kdtree] serving: first verify step kdtree served (batch 1, 16 draft tokens, 8 heads)")
             say("[kdtree] serving: replaying CUDA graphs kdtree captured (batch size 1 first)")

@@ -302,8 +302,8 @@ def test_capture_files_are_validated_diffed_and_must_be_private(tmp_path, monkey
 
 @pytest.mark.parametrize("mode", ["shadow", "capture"])
 def test_at_tp_2_every_rank_must_print_and_capture(tmp_path, monkeypatch, mode):
-    """Above TP 1 the check asks every rank for its shadow lines (SGLang prefixes them `TP<r>`) and its capture
-    files (`-tp<r>`), and the server is told `KDTREE_RANKS=all`; a server whose rank 1 says nothing fails."""
+    """Above TP 1 the check asks every rank for its shadow lines (`[kdtree] TP<r> L...`) and its capture files
+    (`-tp<r>`), and the server is told `KDTREE_RANKS=all`; a server whose rank 1 says nothing fails."""
     monkeypatch.setenv("PYTHONPATH", standin_env()["PYTHONPATH"])
     monkeypatch.delenv("KDTREE_RANKS", raising=False)
     spec = TinySpec(tp=2)
@@ -321,15 +321,15 @@ def test_at_tp_2_every_rank_must_print_and_capture(tmp_path, monkeypatch, mode):
     assert "KDTREE_RANKS" not in check.server_env(mode, SETTINGS, Path("c"), base={})
 
 
-def test_the_log_reader_takes_the_rank_from_sglangs_prefix():
-    text = "\n".join(
-        [
-            "[2026-12-06 09:41:07 TP1] [kdtree] L3 max_abs_diff=1.0e-03 mean=1.0e-05 rel=2.0e-03",
-            "[2026-12-06 09:41:07 DP0 TP0 EP0] [kdtree] L3 max_abs_diff=1.0e-03 mean=1.0e-05 rel=1.0e-03",
-            "[2026-12-06 09:41:07] [kdtree] L4 max_abs_diff=1.0e-03 mean=1.0e-05 rel=1.0e-03",
-        ]
-    )
-    assert [s.rank for s in logscan.scan(text).shadow] == [1, 0, 0]
+def test_the_log_reader_takes_the_rank_from_the_shadow_line():
+    import torch
+
+    from kdtree.sglang.shadow import shadow_diff
+
+    d = shadow_diff(torch.ones(2, 1, 4), torch.ones(2, 1, 4), torch.tensor([0, 2]), layer=3, step=0)
+    text = "\n".join([d.line(5e-3, rank=1), "[2026-12-06 09:41:07 TP0] " + d.line(5e-3, rank=0), d.line(5e-3)])
+    assert text.splitlines()[0].startswith("[kdtree] TP1 L3 max_abs_diff=")
+    assert [(s.rank, s.layer) for s in logscan.scan(text).shadow] == [(1, 3), (0, 3), (0, 3)]
     assert logscan.scan(text).summary()["shadow_ranks"] == [0, 1]
 
 
@@ -591,19 +591,24 @@ def _bench_result(heads, layers=4):
          "step_ms": step, "accept_length": 4.0, "profile": prof[b]}
         for b, tps, step in (("serve", 800.0, 5.0), ("triton", 160.0, 25.0))
     ]  # fmt: skip
-    return {"settings": {"heads": [heads], "layers": layers, "hidden_size": 256, "new_tokens": 256, "short_tokens": 32},
+    return {"settings": {"heads": [heads], "layers": layers, "hidden_size": 256, "new_tokens": 256, "short_tokens": 32,
+                         "tp": 1}, "environment": {"gpu": "NVIDIA H100 80GB HBM3"},
             "rows": rows, "servers": [], "pairs": [], "problems": []}  # fmt: skip
 
 
 def test_bench_server_from_merges_runs_into_one_table_projection_and_figure(tmp_path):
     for heads in (8, 16):
         (tmp_path / f"h{heads}.json").write_text(json.dumps(_bench_result(heads)))
+    older = _bench_result(16)  # written before the bench knew --tp and the environment: TP 1, no GPU named
+    del older["settings"]["tp"], older["environment"]
+    (tmp_path / "h16.json").write_text(json.dumps(older))
     out = tmp_path / "merged"
     args = ["bench", "--server", "--from", str(tmp_path / "h8.json"), "--from", str(tmp_path / "h16.json"), "-o", str(out)]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     merged = json.loads((out / "bench-server.json").read_text())
     assert merged["settings"]["heads"] == [8, 16] and len(merged["pairs"]) == 2
+    assert merged["environment"] == {"gpu": "NVIDIA H100 80GB HBM3"}
     assert {p["step_speedup"] for p in merged["pairs"]} == {5.0}
     assert {x["target"] for x in merged["projections"]} == {"Kimi K2.6 at TP8", "DeepSeek-V3 at TP8"}
     assert "| DeepSeek-V3 at TP8 | 16 | 32768 | 1 | 6.00 / 0.100 |" in r.output
@@ -619,6 +624,9 @@ def test_bench_server_from_merges_runs_into_one_table_projection_and_figure(tmp_
         (["h8", "junk"], [], "not readable JSON"),
         (["h8", "other"], [], "not a `kdtree bench --server` result"),
         (["h8"], ["--heads", "8"], "do not apply"),
+        (["h8", "flat"], [], "not a `kdtree bench --server` result"),
+        (["h8", "rowless"], [], "rows[0] lacks step_ms"),
+        (["h8", "gpu2"], [], "runs of two GPUs do not merge"),
     ],
 )
 def test_bench_server_from_refuses_what_cannot_merge_and_writes_nothing(tmp_path, files, extra, message):
@@ -626,6 +634,11 @@ def test_bench_server_from_refuses_what_cannot_merge_and_writes_nothing(tmp_path
     (tmp_path / "l2.json").write_text(json.dumps(_bench_result(16, layers=2)))
     (tmp_path / "junk.json").write_text("{not json")
     (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
+    (tmp_path / "flat.json").write_text(json.dumps({"settings": [], "rows": []}))
+    rowless = _bench_result(16)
+    del rowless["rows"][0]["step_ms"]
+    (tmp_path / "rowless.json").write_text(json.dumps(rowless))
+    (tmp_path / "gpu2.json").write_text(json.dumps(_bench_result(16) | {"environment": {"gpu": "NVIDIA H200"}}))
     args = ["bench", "--server", "-o", str(tmp_path / "o"), *extra]
     for f in files:
         args += ["--from", str(tmp_path / f"{f}.json")]

@@ -324,23 +324,36 @@ def derived(rows: list[dict], layers: int) -> dict:
     return {"pairs": pairs, "projections": projections(pairs, layers)}
 
 
+ROW_KEYS = ("heads", "draft_tokens", "backend", "prompt_len", "batch", "tokens_per_s", "step_ms", "accept_length")
+
+
 def merge(results: list[tuple[str, dict]]) -> dict:
     """Results of runs over other heads or draft tokens (`kdtree bench --server --from`, e.g. one device call
     each) as one: their rows, servers and problems, the pairs and projections computed again. Runs must share
-    the model's layers and hidden size, and a point measured twice is refused."""
+    the model (layers, hidden size, TP), the rounds and the GPU, and a point measured twice is refused."""
     if not results:
         raise BadInput("--from: at least one bench-server.json")
-    shape = {}
+    shape, gpu = None, None
     rows, servers, problems, seen = [], [], [], {}
     for where, r in results:
-        if not isinstance(r, dict) or not {"settings", "rows"} <= set(r):
+        if not (isinstance(r, dict) and isinstance(r.get("settings"), dict) and isinstance(r.get("rows"), list)):
             raise BadInput(f"--from {where}: not a `kdtree bench --server` result (no settings and rows)")
-        this = {k: r["settings"].get(k) for k in ("layers", "hidden_size", "new_tokens", "short_tokens", "tp")}
-        if shape and this != shape:
+        st = r["settings"]
+        this = {k: st.get(k) for k in ("layers", "hidden_size", "new_tokens", "short_tokens")} | {"tp": st.get("tp", 1)}
+        if not (isinstance(this["layers"], int) and this["layers"] >= 1):
+            raise BadInput(f"--from {where}: settings.layers must be a whole number >= 1, got {this['layers']!r}")
+        if shape is not None and this != shape:
             raise BadInput(f"--from {where}: settings {this} differ from the first file's {shape}")
         shape = this
-        for row in r["rows"]:
-            key = (row["heads"], row["draft_tokens"], row["backend"], row["prompt_len"], row["batch"])
+        env = r.get("environment") or {}
+        if env.get("gpu") and gpu and env["gpu"] != gpu:
+            raise BadInput(f"--from {where}: measured on {env['gpu']}, the first file on {gpu}: runs of two GPUs do not merge")
+        gpu = gpu or env.get("gpu")
+        for i, row in enumerate(r["rows"]):
+            missing = [k for k in ROW_KEYS if not isinstance(row, dict) or k not in row]
+            if missing:
+                raise BadInput(f"--from {where}: rows[{i}] lacks {', '.join(missing)}")
+            key = tuple(row[k] for k in ("heads", "draft_tokens", "backend", "prompt_len", "batch"))
             if key in seen:
                 raise BadInput(f"--from {where}: point {key} is also in {seen[key]}")
             seen[key] = where
@@ -357,4 +370,6 @@ def merge(results: list[tuple[str, dict]]) -> dict:
         )
     }
     settings = results[0][1]["settings"] | grid | {"merged_from": [w for w, _ in results]}
-    return {"settings": settings, "rows": rows, "servers": servers, "problems": problems} | derived(rows, shape["layers"])
+    environment = next((r.get("environment") for _, r in results if r.get("environment")), None)
+    merged = {"settings": settings, "environment": environment, "rows": rows, "servers": servers, "problems": problems}
+    return merged | derived(rows, shape["layers"])

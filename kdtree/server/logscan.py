@@ -8,10 +8,10 @@ import re
 from dataclasses import dataclass, field
 
 _NUM = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))"
-SHADOW_RE = re.compile(rf"\[kdtree\] L(\d+) max_abs_diff={_NUM} mean={_NUM} rel={_NUM}(?: nonfinite=(\d+))?")
+# (above TP 1 the backend names the rank: `[kdtree] TP1 L58 max_abs_diff=...`; its lines are prints, which SGLang's
+# log format does not prefix)
+SHADOW_RE = re.compile(rf"\[kdtree\] (?:TP(\d+) )?L(\d+) max_abs_diff={_NUM} mean={_NUM} rel={_NUM}(?: nonfinite=(\d+))?")
 KDTREE_RE = re.compile(r"\[kdtree\] (.*)$")
-# SGLang's scheduler prefixes its lines with its ranks above TP 1: `[2026-12-06 09:41:07 TP1] ...`
-TP_PREFIX_RE = re.compile(r"^\[[^\]]* TP(\d+)\b[^\]]*\]")
 GRAPH_RE = re.compile(r"Capture target verify CUDA graph end\. bs=\[([^\]]*)\]")
 # kdtree's lines that say it did not do what it was asked (the step went to Triton, or capture stopped early)
 FALLBACK_MARKS = ("kdtree failed", "could not prepare", "shadow failed", "capture failed", "capture stopped", "self-check FAILED")
@@ -29,7 +29,7 @@ class ShadowLine:
     mean: float
     rel: float
     nonfinite: int
-    rank: int = 0  # the TP rank that printed it (SGLang names none at TP 1)
+    rank: int = 0  # the TP rank that printed it (named above TP 1)
 
 
 @dataclass
@@ -102,11 +102,10 @@ def scan(text: str) -> LogScan:
     out = LogScan()
     for line in text.splitlines():
         found = list(SHADOW_RE.finditer(line))  # (two processes' prints may share a line)
-        tp = TP_PREFIX_RE.match(line)
-        rank = int(tp.group(1)) if tp else 0
         for m in found:
-            layer, max_abs, mean, rel, nonfinite = m.groups()
-            out.shadow.append(ShadowLine(int(layer), _float(max_abs), _float(mean), _float(rel), int(nonfinite or 0), rank))
+            rank, layer, max_abs, mean, rel, nonfinite = m.groups()
+            row = ShadowLine(int(layer), _float(max_abs), _float(mean), _float(rel), int(nonfinite or 0), int(rank or 0))
+            out.shadow.append(row)
         if found:
             continue
         m = KDTREE_RE.search(line)

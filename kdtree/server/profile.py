@@ -76,7 +76,7 @@ def amdahl(share: float, speedup: float) -> float:
 
 def profiled(base_url: str, output_dir: Path, run) -> Path | None:
     """Run `run()` between SGLang's /start_profile and /stop_profile (GPU activity only, into `output_dir`); the
-    trace it wrote, or None."""
+    trace it wrote (rank 0's above TP 1, once its size holds), or None."""
     output_dir.mkdir(parents=True, exist_ok=True)
     before = set(output_dir.rglob("*.json*"))
     post_json(base_url + "/start_profile", {"output_dir": str(output_dir), "activities": ["GPU"]}, 120.0)
@@ -84,10 +84,15 @@ def profiled(base_url: str, output_dir: Path, run) -> Path | None:
         run()
     finally:
         post_json(base_url + "/stop_profile", {}, 120.0)
-    deadline = time.monotonic() + 60
+    deadline, sizes = time.monotonic() + 60, {}
     while time.monotonic() < deadline:  # the scheduler writes the trace after it answers
         new = sorted(set(output_dir.rglob("*.json*")) - before, key=lambda p: p.stat().st_mtime)
-        if new:
-            return new[-1]
+        ranked = [p for p in new if "-TP-" in p.name]  # above TP 1 a trace a rank: rank 0's (`...-TP-0.trace...`)
+        picked = [p for p in ranked if re.search(r"-TP-0[-.]", p.name)] if ranked else new
+        if picked:
+            path, size = picked[-1], picked[-1].stat().st_size
+            if size > 0 and sizes.get(path) == size:  # whole: its size held for a second
+                return path
+            sizes[path] = size
         time.sleep(1)
     return None

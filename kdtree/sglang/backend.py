@@ -438,7 +438,7 @@ class KdtreeAttnBackend(TritonAttnBackend):
         batch = self.verify_batch(forward_batch)
         qo = batch.qo_indptr[: batch.batch_size + 1].cpu()
         d = shadow_diff(mine, o.view(-1, H, V_HEAD_DIM), qo, layer=layer.layer_id, step=batch.step)
-        print(d.line(self.settings.tolerance), flush=True)
+        print(d.line(self.settings.tolerance, self.tp_rank if self.tp_size > 1 else None), flush=True)
 
     def _capture(self, q, o, layer, forward_batch) -> None:
         if not self.capture.enabled:

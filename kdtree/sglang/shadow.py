@@ -27,8 +27,10 @@ class ShadowDiff:
     def passed(self, tolerance: float) -> bool:
         return self.nonfinite == 0 and self.rel <= tolerance
 
-    def line(self, tolerance: float) -> str:
-        s = f"[kdtree] L{self.layer} max_abs_diff={self.max_abs:.4e} mean={self.mean_abs:.4e} rel={self.rel:.4e}"
+    def line(self, tolerance: float, rank: int | None = None) -> str:
+        """The printed line; `rank` (above TP 1) names the TP rank after `[kdtree]`, as `[kdtree] TP1 L58 ...`."""
+        who = f"TP{rank} " if rank is not None else ""
+        s = f"[kdtree] {who}L{self.layer} max_abs_diff={self.max_abs:.4e} mean={self.mean_abs:.4e} rel={self.rel:.4e}"
         if self.nonfinite:
             s += f" nonfinite={self.nonfinite}"
         if not self.passed(tolerance):
