@@ -91,3 +91,15 @@ def test_the_l2_model_counts_cold_misses_and_favours_the_kernels_order():
     assert misses == rows and reads > 8 * rows  # each row read by every row tile of its request
     small = rows // 2
     assert l2_model.dram_rows(kernel_order, args, small, 5.0)[1] < 0.8 * l2_model.dram_rows(unit_order, args, small, 5.0)[1]
+
+
+def test_the_ngram_cost_streams_last_every_step():
+    """experiments/ngram_cost.py: each request's token stream holds the last put of its last step (STEPS steps
+    accepting up to the draft's tokens each), so no put or match is cut short."""
+    spec = importlib.util.spec_from_file_location("ngram_cost", EXPERIMENTS / "ngram_cost.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for draft in (16, 64):
+        for period in (1, 8):
+            s = mod.stream(np.random.default_rng(0), period, draft)
+            assert len(s) >= mod.DEPTH + mod.STEPS * draft and s[mod.DEPTH : mod.DEPTH + period] == s[-period:]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
-# Usage (device machine, repository root): tools/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|server-check|server-tests|bench-server|gpu-suite|selfcheck|tune|report|all] ...
+# Usage (device machine, repository root): tools/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|server-check|server-tests|bench-server|gpu-suite|ngram-cost|selfcheck|tune|report|all] ...
 # (bench-chain: the chain cases with FlashInfer's causal MLA kernel beside kdtree; carry .whl/fi312.tar.xz alone)
 # (bench-chain-fa2: sm_120's configuration against FlashInfer's portable fa2 kernel, first as its dispatch sizes it
 #  for this GPU, then on a copy of FlashInfer edited to take the branch it takes at sm_120's ~100 KB a SM; carry
@@ -103,6 +103,7 @@ for w in "$@"; do
                   cp /tmp/server-check/report.json "$OUT/" 2>/dev/null  # and the servers' logs and captures in one archive:
                   tar -cJf "$OUT/server-check.tar.xz" -C /tmp/server-check . 2>/dev/null ;;
     selfcheck) step selfcheck 300 python3 -m kdtree selfcheck --force ;;
+    ngram-cost) step ngram-cost 240 python3 experiments/ngram_cost.py "$OUT/ngram-cost.json" ;;  # SGLang's drafter, host only
     tune) # the three bars of the tuner in one run: this GPU's configurations, sm_120's, and sm_120's at half the
           # tensor rate (every mma.sync issued twice); each timed and fitted twice (--repeat 2)
           step tune 560 python3 -m kdtree tune -o "$OUT/tune" --repeat 2 --holdout 20 --no-write
