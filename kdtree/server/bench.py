@@ -216,8 +216,10 @@ def pair_rows(rows: list[dict]) -> list[dict]:
 def _where_time_goes(kdtree_profile: dict | None, triton_profile: dict | None) -> dict:
     """For a profiled point: attention's share of Triton's step, the attention speedup inside the server, and
     what Amdahl's law makes of them (the projection is arithmetic)."""
-    if not kdtree_profile or not triton_profile:
+    if not isinstance(kdtree_profile, dict) or not isinstance(triton_profile, dict):
         return {}
+    if kdtree_profile.get("attention_ms_per_step") is None or triton_profile.get("attention_ms_per_step") is None:
+        return {}  # a trace without its kernels (or a file's profile cut short)
     from kdtree.server.profile import amdahl
 
     share = triton_profile.get("attention_share_of_wall")
