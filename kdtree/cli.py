@@ -476,10 +476,11 @@ def _bench_server(out: Path, grid: dict) -> None:
 
     settings = sb.ServerBenchSettings(**grid)
     settings.check()
+    missing = [] if torch.cuda.is_available() else ["a CUDA GPU"]
     if importlib.util.find_spec("sglang") is None:
-        raise BadInput("kdtree bench --server needs SGLang (pip install -e '.[sglang]')")
-    if not torch.cuda.is_available():
-        raise BadInput("kdtree bench --server needs a CUDA GPU")
+        missing.append("SGLang (pip install -e '.[sglang]')")
+    if missing:
+        raise BadInput(f"kdtree bench --server needs {' and '.join(missing)}: missing here")
     if settings.tp > torch.cuda.device_count():
         raise BadInput(f"--tp {settings.tp}: this machine has {torch.cuda.device_count()} GPU(s)")
     from kdtree.server.process import sigterm_as_interrupt
@@ -597,17 +598,18 @@ def server_check(
     settings.check()
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out {out}: exists and is not a directory")
+    import torch
+
+    missing = [] if torch.cuda.is_available() else ["a CUDA GPU (it launches a real SGLang server)"]
     for module, what in (
         ("sglang", "SGLang (pip install -e '.[sglang]')"),
         ("transformers", "transformers"),
         ("tokenizers", "tokenizers"),
     ):
         if importlib.util.find_spec(module) is None:
-            raise BadInput(f"kdtree server-check needs {what}")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise BadInput("kdtree server-check needs a CUDA GPU (it launches a real SGLang server)")
+            missing.append(what)
+    if missing:
+        raise BadInput(f"kdtree server-check needs {', '.join(missing)}: missing here")
     if tp > torch.cuda.device_count():
         raise BadInput(f"--tp {tp}: this machine has {torch.cuda.device_count()} GPU(s)")
     console = Console(stderr=True)

@@ -666,3 +666,16 @@ def test_a_star_is_no_branch_below_the_root_and_a_ddtree_is():
     assert tree("star", 16) == (15, 0)
     assert tree("chain", 16) == (1, 1)
     assert tree("ddtree", 65)[1] > 1
+
+
+def test_a_machine_without_a_gpu_is_told_so_first_and_nothing_is_written(tmp_path):
+    """On a machine without a GPU (CI), the server check and the server bench name the GPU among what is missing
+    (not only SGLang, which alone would not make them run), exit 2 and write nothing."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    for args in (["server-check"], ["bench", "--server"]):
+        r = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "o")])
+        assert r.exit_code == 2 and "a CUDA GPU" in r.output and "missing here" in r.output, r.output
+        assert not (tmp_path / "o").exists()

@@ -77,7 +77,7 @@ def format_projections(rows: list[dict]) -> str:
     rests = sorted({r["other_ms"] for r in rows})
     head = (
         "| model (projected) | draft | prompt | batch | attention a layer, Triton / kdtree (ms) | "
-        + " | ".join(f"step x, rest {o:g} ms" for o in rests)
+        + " | ".join(f"step speed-up, rest {o:g} ms" for o in rests)
         + " |\n|"
         + "---|" * (5 + len(rests))
     )
