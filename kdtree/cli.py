@@ -530,7 +530,11 @@ def _bench_server_outputs(result: dict, out: Path, *, written: bool = False) -> 
         typer.echo("\nProjected (arithmetic: measured attention a layer x the model's layers + an assumed rest):")
         typer.echo(format_projections(result["projections"]))
     if result["pairs"]:
-        server_bench_figure(result["pairs"]).savefig(out / "bench-server.png", dpi=120, bbox_inches="tight")
+        gpu = (result.get("environment") or {}).get("gpu") or "GPU not recorded"
+        st = result.get("settings", {})
+        title = f"{gpu}: tiny DeepSeek-V3-architecture model, {st.get('layers')} layers, TP {st.get('tp', 1)}"
+        fig = server_bench_figure(result["pairs"], title=title)
+        fig.savefig(out / "bench-server.png", dpi=120, bbox_inches="tight")
     typer.echo(f"wrote {out / 'bench-server.json'}" + (f" and {out / 'bench-server.png'}" if result["pairs"] else ""))
     for problem in result["problems"]:
         typer.echo(f"kdtree bench --server: {problem}", err=True)

@@ -121,10 +121,10 @@ NONE, MIXED, ALL = 0, 1, 2  # block states of a downsampled mask: no cell visibl
 MASK_CMAP = ListedColormap(["#f2f2f2", "#f4a261", "#264653"])
 
 
-def server_bench_figure(pairs: list[dict]) -> Figure:
+def server_bench_figure(pairs: list[dict], title: str | None = None) -> Figure:
     """`kdtree bench --server`: a row of panels per heads per rank and a column per draft tokens; the verify
     step's time against the prompt length, kdtree (solid) and Triton (dashed), a colour per batch; each title names
-    the gain in tokens/s."""
+    the gain in tokens/s, `title` (the GPU and the model, say) the whole."""
     heads_list = sorted({p["heads"] for p in pairs}) or [0]
     drafts = sorted({p["draft_tokens"] for p in pairs}) or [0]
     fig = Figure(figsize=(5.2 * len(drafts) + 1.6, 4.2 * len(heads_list)), layout="constrained")
@@ -154,6 +154,8 @@ def server_bench_figure(pairs: list[dict]) -> Figure:
         )
         ax.grid(alpha=0.3)
     grid[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    if title:
+        fig.suptitle(title)
     return fig
 
 

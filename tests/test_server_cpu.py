@@ -421,7 +421,8 @@ def test_server_bench_pairs_kdtree_with_triton_point_by_point():
     from kdtree.plots import server_bench_figure
 
     fig = server_bench_figure(pairs)
-    assert fig.axes[0].get_title().endswith("2.00-2.00x")
+    assert fig.axes[0].get_title().endswith("2.00-2.00x") and fig._suptitle is None
+    assert server_bench_figure(pairs, title="GPU X: tiny model")._suptitle.get_text() == "GPU X: tiny model"
 
 
 def test_server_bench_settings_size_the_server_for_the_longest_point():
