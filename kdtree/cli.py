@@ -726,7 +726,7 @@ def tune_cmd(
     for key, what in (("first_pass_under_last_fit", "the first pass's timings"), ("holdout", f"{holdout} held-out batches")):
         if key in result:
             typer.echo(f"\non {what}, under the last pass's fit and picks:")
-            typer.echo("\n".join(tune.format_summary(result[key]).splitlines()[-3:]))  # the geomean lines
+            typer.echo("\n".join(tune.format_totals(result[key])))
     typer.echo(
         f"measured picks: {len(result['picks'])} shape class(es)" + "".join(f"\n  {k}: {v}" for k, v in result["picks"].items())
     )

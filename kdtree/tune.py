@@ -19,6 +19,7 @@ from kdtree.kernel.planner import plan_label
 from kdtree.kernel.tuning import CostModel, Timed, fit, shipped_model
 
 PICK_MARGIN = 0.03  # a class whose fitted picks lose more than this to its fastest plans gets a measured pick
+PICKERS = ("shipped", "fit", "tuned")  # the shipped model, the fit alone, the fit with the measured picks
 
 
 @dataclass
@@ -158,11 +159,11 @@ def summary(times: list[BatchTimes], picks: dict[str, str] | None = None) -> dic
 
     worst = lambda key: max((r[key] for r in rows if r[key] is not None), default=None)  # noqa: E731
     out = {"rows": rows}
-    for name, key in (("shipped", "shipped_ratio"), ("fit", "fit_ratio"), ("tuned", "tuned_ratio")):
-        out[name] = {"geomean": geo(key), "worst": worst(key)}
+    for name in PICKERS:
+        out[name] = {"geomean": geo(f"{name}_ratio"), "worst": worst(f"{name}_ratio")}
     out["within_margin"] = {
-        name: sum(r[key] <= 1 + PICK_MARGIN for r in rows if r[key] is not None)
-        for name, key in (("shipped", "shipped_ratio"), ("tuned", "tuned_ratio"))
+        name: sum(r[f"{name}_ratio"] <= 1 + PICK_MARGIN for r in rows if r[f"{name}_ratio"] is not None)
+        for name in ("shipped", "tuned")
     }
     return out
 
@@ -176,13 +177,19 @@ def format_summary(s: dict) -> str:
         lines.append(
             f"{r['batch'][:34]:34s} {r['fastest'][:26]:26s} {r['shipped_pick'][:26]:26s} {r['shipped_ratio']:6.3f} {tuned}{mark}"
         )
-    n = len(s["rows"])
-    for k in ("shipped", "fit", "tuned"):
+    return "\n".join(lines + format_totals(s))
+
+
+def format_totals(s: dict) -> list[str]:
+    """A summary's last lines: each picker's geomean and worst over the fastest, and how many batches it got within
+    PICK_MARGIN of it."""
+    n, lines = len(s["rows"]), []
+    for k in PICKERS:
         if s.get(k, {}).get("geomean") is not None:
             within = s.get("within_margin", {}).get(k)
             count = f"; within {PICK_MARGIN:.0%} of the fastest on {within} of {n}" if within is not None else ""
             lines.append(f"{k} picks over the fastest: geomean {s[k]['geomean']:.3f}, worst {s[k]['worst']:.3f}{count}")
-    return "\n".join(lines)
+    return lines
 
 
 def batches_to_time(cases: list[str], fuzz: int, first_seed: int = 0) -> list[tuple[str, object]]:

@@ -162,6 +162,7 @@ class Handler(BaseHTTPRequestHandler):
             os.makedirs(directory, exist_ok=True)
             cap = synthesize(SynthSpec(batch_size=1, prefix_lens=[40], tree="chain", num_draft_tokens=4, seed=index))
             for rank in ranks(self.tp):
+                cap.meta.tp_rank, cap.meta.tp_size = rank, self.tp  # what the backend records of its rank
                 save(cap, os.path.join(directory, f"step{index:06d}-L0-tp{rank}.safetensors"), private=True)
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import stat
 import subprocess
@@ -216,6 +215,7 @@ def _capture_checks(capture_dir: Path, tolerance: float) -> list[dict]:
             "batch_size": info["batch_size"],
             "prefix_lens": info["prefix_lens"],
             "num_draft": info["num_draft"],
+            "tp_rank": cap.meta.tp_rank,
             "max_branching": max(r["max_branching"] for r in info["requests"]),
             # a node below the root with two children: a tree, not a chain with NGRAM's padding at the root
             "branches_below_root": any(r["max_branching_below_root"] > 1 for r in info["requests"]),
@@ -237,9 +237,6 @@ def cleanup_problems(stopped: dict) -> list[str]:
     if stopped.get("stopped") and stopped.get("port_free") is False:
         why.append("the server's port was still taken after stopping")
     return why
-
-
-CAPTURE_RANK_RE = re.compile(r"-tp(\d+)\.safetensors$")
 
 
 def verdict(r: ModeResult, s: CheckSettings, tp: int = 1) -> list[str]:
@@ -282,7 +279,7 @@ def verdict(r: ModeResult, s: CheckSettings, tp: int = 1) -> list[str]:
                 why.append(f"{name} diffs outside rel {DEFAULT_TOLERANCE}")
             if c["mode"] != "0o600":
                 why.append(f"{name} has mode {c['mode']}, not 0o600")
-        written = {int(m.group(1)) for c in r.captures if (m := CAPTURE_RANK_RE.search(Path(c["path"]).name))}
+        written = {c["tp_rank"] for c in r.captures if c.get("valid")}
         if r.captures and ranks - written:
             why.append(f"no capture file from TP rank {', '.join(map(str, sorted(ranks - written)))}")
     return why
