@@ -48,15 +48,24 @@ def test_fitting_twice_on_fresh_timings_gives_the_same_model_within_noise():
         assert a.model.unit_cost[kind] == pytest.approx(b.model.unit_cost[kind], rel=0.05)
 
 
-def test_a_kind_measured_too_little_keeps_the_shipped_cost_and_the_reference_must_be_measured():
+def test_a_kind_measured_too_little_keeps_the_shipped_cost_and_a_shape_alone_fits_nothing():
     few = timings(TRUE, kinds=("wgmma64", "mma64")) + [Timed("mma32", 100.0, 2.0, 0.2)]
     f = tuning.fit(few)
     assert "mma32" not in f.fitted and f.model.unit_cost["mma32"] == tuning.shipped_model().unit_cost["mma32"]
-    with pytest.raises(TuneError, match="reference body"):
-        tuning.fit(timings(TRUE, kinds=("mma64", "mma32")))
     same_shape = [Timed("wgmma64", 100.0 * i, 2.0 * i, 0.1 * i) for i in range(1, 6)]  # proportional: rank 1
-    with pytest.raises(TuneError, match="reference body"):
+    with pytest.raises(TuneError, match="nothing to fit"):
         tuning.fit(same_shape)
+
+
+def test_without_the_reference_body_as_on_sm120_the_first_fitted_body_keeps_its_shipped_unit():
+    shipped = tuning.shipped_model()
+    f = tuning.fit(timings(TRUE, kinds=("mma64", "mma32")))  # sm_120's configurations: no wgmma64
+    assert sorted(f.fitted) == ["mma32", "mma64"]
+    assert f.model.unit_cost["mma32"] == pytest.approx(shipped.unit_cost["mma32"])
+    ratio = f.model.unit_cost["mma64"] / f.model.unit_cost["mma32"]
+    assert ratio == pytest.approx(TRUE.unit_cost["mma64"] / TRUE.unit_cost["mma32"], rel=0.05)
+    assert f.model.unit_cost["wgmma64"] == shipped.unit_cost["wgmma64"]
+    assert f.ms_per_unit == pytest.approx(US_PER_UNIT / 1e3 * TRUE.unit_cost["mma32"] / shipped.unit_cost["mma32"], rel=0.05)
 
 
 def test_a_tuning_file_round_trips_and_is_refused_when_corrupt_foreign_or_stale(tmp_path):

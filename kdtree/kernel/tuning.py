@@ -77,8 +77,8 @@ class Fit:
 
 def fit(timed: list[Timed], base: CostModel | None = None, *, min_points: int = 3) -> Fit:
     """Least squares of ms = intercept + sum over kinds of (units x a_kind + segments x b_kind). A kind needs
-    `min_points` measurements whose (units, segments) are not all proportional, or it keeps `base`'s costs; the
-    reference kind must be fitted (its unit is the scale)."""
+    `min_points` measurements whose (units, segments) are not all proportional, or it keeps `base`'s costs. The
+    scale is the reference kind's unit, or where it was not measured, the first fitted kind's shipped unit."""
     base = base or shipped_model()
     kinds = sorted({t.kind for t in timed})
     usable = []
@@ -86,8 +86,11 @@ def fit(timed: list[Timed], base: CostModel | None = None, *, min_points: int = 
         x = np.array([[t.units, t.segments] for t in timed if t.kind == k], dtype=float)
         if len(x) >= min_points and np.linalg.matrix_rank(x) == 2:
             usable.append(k)
-    if REFERENCE_KIND not in usable:
-        raise TuneError(f"too few distinct measurements of the reference body ({REFERENCE_KIND}) to fit a scale")
+    if not usable:
+        raise TuneError(f"no body has {min_points} measurements of distinct shapes: nothing to fit")
+    # the scale: the reference body's unit where it was measured; else (sm_120's configurations have no wgmma64) the
+    # first fitted body's unit keeps its shipped cost, so the unfitted bodies stay comparable to the fitted ones
+    anchor = REFERENCE_KIND if REFERENCE_KIND in usable else usable[0]
     rows = [t for t in timed if t.kind in usable]
     a = np.zeros((len(rows), 2 * len(usable) + 1))
     for i, t in enumerate(rows):
@@ -95,9 +98,10 @@ def fit(timed: list[Timed], base: CostModel | None = None, *, min_points: int = 
         a[i, 2 * j], a[i, 2 * j + 1], a[i, -1] = t.units, t.segments, 1.0
     y = np.array([t.ms for t in rows])
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-    ref_unit = coef[2 * usable.index(REFERENCE_KIND)]
-    if not ref_unit > 0:
-        raise TuneError(f"the fit gave the reference body a unit time of {ref_unit:.3g} ms: measurements inconsistent")
+    anchor_unit = coef[2 * usable.index(anchor)]
+    if not anchor_unit > 0:
+        raise TuneError(f"the fit gave {anchor} a unit time of {anchor_unit:.3g} ms: measurements inconsistent")
+    ref_unit = anchor_unit / base.unit_cost[anchor]  # ms per reference unit
     unit, segment = dict(base.unit_cost), dict(base.segment_cost)
     for j, k in enumerate(usable):
         unit[k], segment[k] = coef[2 * j] / ref_unit, coef[2 * j + 1] / ref_unit
