@@ -39,7 +39,7 @@ lint: $(STAMP)
 # On a machine with a CUDA GPU, torch, CuPy and triton (e.g. the lent H200: `tools/gpu_session.sh all`
 # does these in one call). Without a GPU the GPU tests skip with a reason.
 # Every test marked gpu (the kernel, the plan on the device, the serving path, SGLang's kit, real servers, A/B);
-# the log is kept in test-gpu.log. PYTEST_ARGS adds to pytest's (`-n 4` with pytest-xdist: four workers on the GPU).
+# the log is kept in test-gpu.log. PYTEST_ARGS adds to pytest's (say `-k fuzz`).
 test-gpu:
 	python3 -m pytest -q -rs -m gpu tests $(PYTEST_ARGS) 2>&1 | tee test-gpu.log; exit $${PIPESTATUS[0]}
 

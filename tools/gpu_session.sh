@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
-# Usage (device machine, repository root): tools/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|server-check|server-tests|bench-server|gpu-suite|ngram-cost|selfcheck|tune|report|all] ...
+# Usage (device machine, repository root): tools/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|server-check|server-tests|bench-server|gpu-suite|gpu-suite-fuzz|gpu-suite-kernel|gpu-suite-rest|ngram-cost|selfcheck|tune|tune-default|tune-sm120|tune-sm120-half|report|all] ...
 # (bench-chain: the chain cases with FlashInfer's causal MLA kernel beside kdtree; carry .whl/fi312.tar.xz alone)
 # (bench-chain-fa2: sm_120's configuration against FlashInfer's portable fa2 kernel, first as its dispatch sizes it
 #  for this GPU, then on a copy of FlashInfer edited to take the branch it takes at sm_120's ~100 KB a SM; carry
@@ -15,8 +15,8 @@
 #  --model-dir /tmp/tiny-model-tp2", BENCH_SERVER_ARGS="--tp 2 --heads 8")
 # (selfcheck, tune (this GPU's target, sm_120's, sm_120's at half the tensor rate), report: the first-use
 #  commands of kdtree; tune writes no tuning file here)
-# (gpu-suite: `pytest -m gpu` without the live-server tests, GPU_SUITE_K selects, PYTEST_WORKERS workers where
-#  .whl/extra holds pytest-xdist)
+# (gpu-suite: `pytest -m gpu` without the live-server tests, as three parts (-fuzz, -kernel, -rest: one call each);
+#  GPU_SUITE_K selects; PYTEST_WORKERS > 0 runs pytest-xdist's workers where .whl/extra holds it)
 # (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;
 #  quick: the shipped captures, the fused merge and determinism tests only)
 set -uo pipefail
@@ -33,8 +33,9 @@ if ls .whl/extra/*.whl >/dev/null 2>&1; then  # pure-Python test tools (pytest-x
 fi
 # the repository, and tests/ for the sgl_kernel stand-in (tests/sglang_harness) the sglang-* scripts import
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/tests" PYTHONUNBUFFERED=1
-# pytest's workers where pytest-xdist was carried: the kernel tests in PYTEST_WORKERS processes on the one GPU
-workers() { python3 -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-4}"; }
+# pytest's workers where PYTEST_WORKERS > 0 and pytest-xdist was carried (one process by default: on an H100 six
+# workers ran the GPU suite slower than one process did)
+workers() { [ "${PYTEST_WORKERS:-0}" != 0 ] && python3 -c "import xdist" 2>/dev/null && echo "-n $PYTEST_WORKERS"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n 25 "$OUT/$name.log"; echo "== $name rc=$rc ($((SECONDS - t0)) s)"
@@ -77,9 +78,17 @@ for w in "$@"; do
     bench-ref) ref=$(ls -d ref-*/ 2>/dev/null | head -n 1)  # an earlier commit's kdtree/ and kernels/ (git archive), carried
                [ -n "$ref" ] && (cd "$ref" && step bench-ref 240 python3 -m kdtree bench -o "$OUT/ref" --no-sglang) ;;  # (python -m imports from the working directory first)
     test) step test-gpu 570 python3 -m pytest -q $(workers) tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
-    gpu-suite) # every gpu-marked test but the live servers' (server-tests), in workers where pytest-xdist is carried
-               step gpu-suite "${GPU_SUITE_LIMIT:-580}" python3 -m pytest -q -rs $(workers) -m gpu tests \
-                 --ignore tests/test_server_gpu.py ${GPU_SUITE_K:+-k "$GPU_SUITE_K"} ;;
+    gpu-suite|gpu-suite-fuzz|gpu-suite-kernel|gpu-suite-rest)
+               # every gpu-marked test but the live servers' (server-tests), in three parts of at most ~9 minutes
+               # each on an H100 (one call each; `gpu-suite` runs all three); GPU_SUITE_K selects within a part
+               suite=(python3 -m pytest -q -rs $(workers) -m gpu) k=${GPU_SUITE_K:+ and ($GPU_SUITE_K)}
+               case $w in gpu-suite|gpu-suite-fuzz)
+                 step gpu-suite-fuzz "${GPU_SUITE_LIMIT:-580}" "${suite[@]}" tests/test_kernel_gpu.py -k "test_fuzz$k" ;; esac
+               case $w in gpu-suite|gpu-suite-kernel)
+                 step gpu-suite-kernel "${GPU_SUITE_LIMIT:-580}" "${suite[@]}" tests/test_kernel_gpu.py -k "not test_fuzz$k" ;; esac
+               case $w in gpu-suite|gpu-suite-rest)
+                 step gpu-suite-rest "${GPU_SUITE_LIMIT:-580}" "${suite[@]}" tests --ignore tests/test_kernel_gpu.py \
+                   --ignore tests/test_server_gpu.py ${GPU_SUITE_K:+-k "$GPU_SUITE_K"} ;; esac ;;
     variants) step variants 300 python3 tools/variants.py --json "$OUT/variants.json" ;;
     tensor-rate) step tensor-rate 420 python3 tools/variants.py --mma-ceilings --repeat 3 --cases "" \
                    --variants sm120 bm64_regs --mma-repeat 1 2 --json "$OUT/tensor-rate.json" ;;
@@ -104,12 +113,14 @@ for w in "$@"; do
                   tar -cJf "$OUT/server-check.tar.xz" -C /tmp/server-check . 2>/dev/null ;;
     selfcheck) step selfcheck 300 python3 -m kdtree selfcheck --force ;;
     ngram-cost) step ngram-cost 240 python3 experiments/ngram_cost.py "$OUT/ngram-cost.json" ;;  # SGLang's drafter, host only
-    tune) # the three bars of the tuner in one run: this GPU's configurations, sm_120's, and sm_120's at half the
-          # tensor rate (every mma.sync issued twice); each timed and fitted twice (--repeat 2)
-          step tune 560 python3 -m kdtree tune -o "$OUT/tune" --repeat 2 --holdout 20 --no-write
-          step tune-sm120 560 env KDTREE_KERNEL_TARGET=sm_120 python3 -m kdtree tune -o "$OUT/tune-sm120" --repeat 2 --holdout 20 --no-write
-          step tune-sm120-half 560 env KDTREE_KERNEL_TARGET=sm_120 python3 -m kdtree tune -o "$OUT/tune-sm120-half" \
-            --repeat 2 --holdout 20 --mma-repeat 2 ;;
+    tune|tune-default|tune-sm120|tune-sm120-half)
+          # the three bars of the tuner: this GPU's configurations, sm_120's, and sm_120's at half the tensor rate
+          # (every mma.sync issued twice), each timed and fitted twice (--repeat 2); `tune` runs all three
+          tune=(python3 -m kdtree tune --repeat 2 --holdout 20 --no-write)
+          case $w in tune|tune-default) step tune 560 "${tune[@]}" -o "$OUT/tune" ;; esac
+          case $w in tune|tune-sm120) step tune-sm120 560 env KDTREE_KERNEL_TARGET=sm_120 "${tune[@]}" -o "$OUT/tune-sm120" ;; esac
+          case $w in tune|tune-sm120-half) step tune-sm120-half 560 env KDTREE_KERNEL_TARGET=sm_120 "${tune[@]}" \
+                                             -o "$OUT/tune-sm120-half" --mma-repeat 2 ;; esac ;;
     report) step report 600 python3 -m kdtree report -o "$OUT/report" ;;
     bench-server) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1
                   [ -f .whl/sgl_kernel312.tar.xz ] && tar -xJf .whl/sgl_kernel312.tar.xz -C /tmp/site
