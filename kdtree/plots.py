@@ -46,6 +46,7 @@ def bench_figure(result: dict) -> Figure:
     ax.set_title("time per verify-attention call")
     ceiling = result["ceilings"]["matmul_bf16_tflops"]
     ax2.axhline(ceiling, color="black", ls="--", lw=1, label=f"bf16 matmul ceiling {ceiling:.0f}")
+    ax2.set_ylim(0, ceiling * 1.45)  # room above the ceiling for the legend, which would hide the line
     ax2.set_ylabel("TFLOP/s (dense count)")
     ax2.set_title("achieved rate")
     return _finish_case_figure(fig, (ax, ax2), names, f"{result['device']} - {result.get('sglang', '')[:80]}")
