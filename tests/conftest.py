@@ -12,6 +12,10 @@ from kdtree.synth import SynthSpec, synthesize
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "data" / "captured_batches").glob("*.safetensors"))
+# how far above the tolerance each historical bug takes the diff on a shipped capture: 10x, but 2x on the live
+# server's chain (random weights: attention is flat over its 246-token prefix, so its 16 drafts weigh little and
+# either bug moves the output by 2.3-2.9x the tolerance)
+FAULT_MARGIN = {"server-chain16": 2.0}
 
 
 def small(**kw):

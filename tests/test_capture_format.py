@@ -14,17 +14,22 @@ def test_shipped_captures_load_and_fit_the_size_budget():
     assert len(SHIPPED) >= 6
     assert sum(p.stat().st_size for p in SHIPPED) <= 40e6
     kinds = {p.stem: load(p).meta.source["kind"] for p in SHIPPED}
-    assert {k for k, v in kinds.items() if v == "sglang"} == {"server-ngram16", "sglang-chain16"}
+    assert {k for k, v in kinds.items() if v == "sglang"} == {"server-ngram16", "server-chain16", "sglang-chain16"}
     assert set(kinds.values()) == {"sglang", "synthetic"}
 
 
 def test_shipped_captures_cover_the_cases_the_issue_names():
     caps = [load(p) for p in SHIPPED]
     algos = {c.meta.spec_algorithm for c in caps}
-    assert {"EAGLE", "DDTREE"} <= algos
+    assert {"EAGLE", "NGRAM", "DDTREE"} <= algos
     from_sglang = [c for c in caps if c.meta.source["kind"] == "sglang"]
     assert any(c.meta.reference.startswith("sglang:triton") and c.meta.sm_scale == 0.130861 for c in from_sglang)
-    # a tree with branches and a causal chain, both from SGLang
+    # a tree with branches and a causal chain, both from a live server (pages of 16 for the chain)
+    live = [c for c in from_sglang if c.meta.spec_algorithm == "NGRAM"]
+    assert any(
+        c.meta.page_size == 16 and bool((c.tree_block(0) == torch.tril(torch.ones_like(c.tree_block(0)))).all()) for c in live
+    )
+    assert any(not bool((c.tree_block(0) == torch.tril(torch.ones_like(c.tree_block(0)))).all()) for c in live)
     assert any(bool((c.tree_block(0) == torch.tril(torch.ones_like(c.tree_block(0)))).all()) for c in from_sglang)
     assert any(not bool((c.tree_block(0) == torch.tril(torch.ones_like(c.tree_block(0)))).all()) for c in from_sglang)
     assert any(c.meta.tree_budget == 256 for c in caps)

@@ -21,7 +21,7 @@ from kdtree.outputs import AttnOutput, poisoned
 from kdtree.reference import emulate_triton, oracle
 from kdtree.synth import SynthSpec, synthesize
 
-from conftest import SHIPPED
+from conftest import FAULT_MARGIN, SHIPPED
 
 pytestmark = pytest.mark.gpu
 REL_BAR = 5e-3
@@ -131,7 +131,7 @@ def test_faults_are_caught_through_the_kernel(kern, path, fault):
     cap = load(path)
     lid = cap.meta.layer_ids[0]
     d = compare(cap, lid, run_impl("cuda", cap, lid, fault=fault, device="cuda"), oracle(cap, lid, device="cuda"))
-    assert d.rel > 10 * d.tolerance and not d.passed, d.line()  # as tests/test_marshal.py: 0.16-0.18 on sglang-chain16
+    assert d.rel > FAULT_MARGIN.get(path.stem, 10.0) * d.tolerance and not d.passed, d.line()  # as tests/test_marshal.py
 
 
 def captured_launch(kern, p, args, q, pool, o, lse, ws) -> "torch.cuda.CUDAGraph":

@@ -9,7 +9,7 @@ from kdtree.marshal import FAULTS, marshal, pack_bits, unpack_bits
 from kdtree.model import kernel_model
 from kdtree.reference import oracle
 
-from conftest import SHIPPED
+from conftest import FAULT_MARGIN, SHIPPED
 
 
 def test_pack_bits_round_trip():
@@ -66,12 +66,12 @@ def test_kernel_model_is_at_the_bf16_floor_on_every_shipped_capture(path):
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_the_diff_catches_both_historical_bugs_on_every_shipped_capture(path, fault):
-    # at least 10x the tolerance: 0.16-0.18 on sglang-chain16 (the kit's hidden states are random, so attention
-    # is flat over its long prefixes and the 16 drafts weigh little), above 0.5 on every other shipped capture
+    # at least FAULT_MARGIN x the tolerance: 0.16-0.18 on sglang-chain16, above 0.5 on the synthetic captures
     cap = load(path)
+    margin = FAULT_MARGIN.get(path.stem, 10.0)
     for lid in cap.meta.layer_ids:
         d = compare(cap, lid, run_impl("model", cap, lid, fault=fault, device="cpu"), oracle(cap, lid))
-        assert d.rel > 10 * d.tolerance and not d.passed, f"{fault}: {d.line()}"
+        assert d.rel > margin * d.tolerance and not d.passed, f"{fault}: {d.line()}"
 
 
 def test_a_kernel_reading_a_wrong_slot_shows_nan(tiny):
