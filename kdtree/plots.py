@@ -28,11 +28,16 @@ def _finish_case_figure(fig: Figure, axes, names: list[str], title: str) -> Figu
 def bench_figure(result: dict) -> Figure:
     """Left: time per case for each implementation, with the roofline floor. Right: achieved TFLOP/s
     against the measured matmul ceiling."""
-    cases = result["cases"]
-    names = [c["name"] for c in cases]
-    impls = [i for i in IMPL_COLORS if any("ms" in c["impls"].get(i, {}) for c in cases)]
     fig = Figure(figsize=(13, 4.8))
     ax, ax2 = fig.subplots(1, 2)
+    _bench_axes(ax, ax2, result)
+    names = [c["name"] for c in result["cases"]]
+    return _finish_case_figure(fig, (ax, ax2), names, f"{result['device']} - {result.get('sglang', '')[:80]}")
+
+
+def _bench_axes(ax, ax2, result: dict) -> None:
+    cases = result["cases"]
+    impls = [i for i in IMPL_COLORS if any("ms" in c["impls"].get(i, {}) for c in cases)]
     x = np.arange(len(cases))
     w = 0.8 / max(1, len(impls))
     for k, impl in enumerate(impls):
@@ -49,7 +54,42 @@ def bench_figure(result: dict) -> Figure:
     ax2.set_ylim(0, ceiling * 1.45)  # room above the ceiling for the legend, which would hide the line
     ax2.set_ylabel("TFLOP/s (dense count)")
     ax2.set_title("achieved rate")
-    return _finish_case_figure(fig, (ax, ax2), names, f"{result['device']} - {result.get('sglang', '')[:80]}")
+
+
+def report_figure(bench: dict | None, tune: dict | None, title: str) -> Figure:
+    """`kdtree report`'s figure: the bench's two panels (where it ran) over the tuner's (where it ran): each timed
+    batch's shipped and tuned pick over the fastest plan, in percent, with the 3 % bar."""
+    rows = [r for r in ((tune or {}).get("summary") or {}).get("rows", []) if r.get("tuned_ratio") is not None]
+    has_bench = bool(bench and bench.get("cases"))
+    if not (has_bench or rows):
+        raise ValueError("report_figure: neither a bench result with cases nor a tune summary with rows")
+    fig = Figure(figsize=(13, 4.8 * (has_bench + bool(rows))))
+    grid = fig.add_gridspec(has_bench + bool(rows), 2)
+    if has_bench:
+        ax, ax2 = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+        _bench_axes(ax, ax2, bench)
+        names = [c["name"] for c in bench["cases"]]
+        for a in (ax, ax2):
+            a.set_xticks(np.arange(len(names)))
+            a.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+            a.legend(fontsize=8)
+    if rows:
+        ax3 = fig.add_subplot(grid[-1, :])
+        x = np.arange(len(rows))
+        for k, (key, label, color) in enumerate((("shipped", "shipped constants", "#7f7f7f"), ("tuned", "tuned", "#1f77b4"))):
+            pct = [100 * (r[f"{key}_ratio"] - 1) for r in rows]
+            ax3.bar(
+                x + (k - 0.5) * 0.4, pct, 0.4, label=f"{label}: {sum(p <= 3 for p in pct)} of {len(pct)} within 3 %", color=color
+            )
+        ax3.axhline(3, color="black", ls="--", lw=1, label="3 % over the fastest")
+        ax3.set_xticks(x)
+        ax3.set_xticklabels([r["batch"] for r in rows], rotation=60, ha="right", fontsize=6)
+        ax3.set_ylabel("pick's time over the fastest plan's (%)")
+        ax3.set_title("the planner's pick on each timed batch (kdtree tune)")
+        ax3.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
 
 
 def sglang_bench_figure(result: dict) -> Figure:

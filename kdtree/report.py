@@ -119,11 +119,14 @@ def run(out_dir: Path, *, parts: dict[str, Callable[[], dict]] | None = None, sa
         report["parts"][name]["seconds"] = round(time.perf_counter() - t0, 1)
         _write_json(out_dir / "report.json", report)
     (out_dir / "summary.md").write_text(summary(report))
-    bench = report["parts"].get("bench", {})
-    if bench.get("ok") and bench["result"].get("cases"):
-        from kdtree.plots import bench_figure
+    bench, tune = (report["parts"].get(k, {}) for k in ("bench", "tune"))
+    bench, tune = (p["result"] if p.get("ok") else None for p in (bench, tune))
+    if (bench and bench.get("cases")) or (tune and tune.get("summary", {}).get("rows")):
+        from kdtree.plots import report_figure
 
-        bench_figure(bench["result"]).savefig(out_dir / "report.png", dpi=110, bbox_inches="tight")
+        env = report["parts"].get("environment", {}).get("result") or {}
+        title = f"kdtree report: {env.get('gpu', 'GPU unknown')} ({env.get('capability', '?')}), {report['started']}"
+        report_figure(bench, tune, title).savefig(out_dir / "report.png", dpi=110, bbox_inches="tight")
     return report
 
 
@@ -172,10 +175,14 @@ def summary(report: dict) -> str:
         elif name == "tune":
             s = r["summary"]
             lines += [head, ""]
+            within, n = s.get("within_margin", {}), len(s.get("rows", []))
             lines += [
                 f"- {k} picks over the fastest plan: geomean {s[k]['geomean']:.3f}, worst {s[k]['worst']:.3f}"
+                + (f"; within 3 % on {within[k]} of {n} batches" if k in within else "")
                 for k in ("shipped", "tuned")
                 if s[k]["geomean"] is not None
             ]
+            if r.get("picks"):
+                lines.append(f"- measured picks for {len(r['picks'])} shape class(es) the fit misses by over 3 %")
             lines.append("")
     return "\n".join(lines)

@@ -247,3 +247,22 @@ def test_the_explorer_takes_captures_of_yours(tmp_path):
     assert ex.add_captures(str(mine)) == ["kimi-dp-h64.safetensors"]
     assert ex.state.capture == "kimi-dp-h64.safetensors" and "added 1" in ex.message.value
     assert ex.add_captures(str(tmp_path / "nothing")) == [] and "no such file" in ex.message.value
+
+
+def test_the_report_figure_puts_the_tuners_picks_under_the_bench():
+    from kdtree.plots import report_figure
+
+    bench = json.loads((ROOT / "tests/fixtures/bench-h200.json").read_text())
+    tune = json.loads((ROOT / "tests/fixtures/tune-h100.json").read_text())  # `kdtree tune`'s result on an H100
+    rows = tune["summary"]["rows"]
+    ax, ax2, ax3 = report_figure(bench, tune, "t").axes
+    assert ax2.get_ylim()[1] > bench["ceilings"]["matmul_bf16_tflops"]  # the ceiling line in view, below the legend
+    assert [t.get_text() for t in ax3.get_xticklabels()] == [r["batch"] for r in rows]
+    n = len(rows)
+    heights = [p.get_height() for p in ax3.patches]
+    assert np.allclose(heights[n : 2 * n], [100 * (r["tuned_ratio"] - 1) for r in rows])
+    within = sum(r["shipped_ratio"] <= 1.03 for r in rows)
+    assert f"shipped constants: {within} of {n} within 3 %" in [t.get_text() for t in ax3.get_legend().get_texts()]
+    assert len(report_figure(None, tune, "t").axes) == 1  # the bench failed: the tuner's panel alone
+    with pytest.raises(ValueError, match="neither"):
+        report_figure(None, {"summary": {"rows": []}}, "t")
