@@ -14,12 +14,17 @@ from matplotlib.patches import Patch
 IMPL_COLORS = {"kdtree": "#1f77b4", "sglang": "#d62728", "flashinfer": "#2ca02c", "torch": "#7f7f7f"}
 
 
-def _finish_case_figure(fig: Figure, axes, names: list[str], title: str) -> Figure:
-    """One tick a bench case under each axis, the legends, the title."""
+def _case_ticks(axes, names: list[str]) -> None:
+    """One tick a bench case under each axis, and the legends."""
     for a in axes:
         a.set_xticks(np.arange(len(names)))
         a.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
         a.legend(fontsize=8)
+
+
+def _finish_case_figure(fig: Figure, axes, names: list[str], title: str) -> Figure:
+    """One tick a bench case under each axis, the legends, the title."""
+    _case_ticks(axes, names)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
@@ -68,11 +73,7 @@ def report_figure(bench: dict | None, tune: dict | None, title: str) -> Figure:
     if has_bench:
         ax, ax2 = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
         _bench_axes(ax, ax2, bench)
-        names = [c["name"] for c in bench["cases"]]
-        for a in (ax, ax2):
-            a.set_xticks(np.arange(len(names)))
-            a.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
-            a.legend(fontsize=8)
+        _case_ticks((ax, ax2), [c["name"] for c in bench["cases"]])
     if rows:
         ax3 = fig.add_subplot(grid[-1, :])
         x = np.arange(len(rows))
