@@ -20,6 +20,11 @@
 # (several words run several parts, in that order; smoke stops everything if the kernel fails the shipped captures;
 #  quick: the shipped captures, the fused merge and determinism tests only)
 set -uo pipefail
+# the parts, as the usage line names them: a word that is none of them stops the call before anything runs
+PARTS=" $(sed -n '3s/.*\[\(.*\)\].*/\1/p' "$0" | tr '|' ' ') "
+for w in "$@"; do
+  [[ "$PARTS" == *" $w "* ]] || { echo "gpu_session.sh: no part named '$w' (the parts:$PARTS)" >&2; exit 2; }
+done
 OUT=$(mkdir -p "${OUT:-gpu-out}" && cd "${OUT:-gpu-out}" >/dev/null && pwd) || exit 1  # absolute: bench-ref runs elsewhere
 if ls .whl/*.whl >/dev/null 2>&1; then   # carried wheels (SGLang and what its import chain needs)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
