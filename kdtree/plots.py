@@ -56,15 +56,24 @@ def _bench_axes(ax, ax2, result: dict) -> None:
     ax.set_title("time per verify-attention call")
     ceiling = result["ceilings"]["matmul_bf16_tflops"]
     ax2.axhline(ceiling, color="black", ls="--", lw=1, label=f"bf16 matmul ceiling {ceiling:.0f}")
-    ax2.set_ylim(0, ceiling * 1.45)  # room above the ceiling for the legend, which would hide the line
+    top = np.nanmax([ceiling, *(c["impls"].get(i, {}).get("tflops", np.nan) for c in cases for i in impls)])
+    if np.isfinite(top) and top > 0:
+        ax2.set_ylim(0, top * 1.45)  # room above the ceiling for the legend, which would hide the line
     ax2.set_ylabel("TFLOP/s (dense count)")
     ax2.set_title("achieved rate")
+
+
+def tuned_rows(tune: dict | None) -> list[dict]:
+    """The batches of a `kdtree tune` result that the tuned planner picked for (`report_figure` draws these)."""
+    return [r for r in ((tune or {}).get("summary") or {}).get("rows", []) if r.get("tuned_ratio") is not None]
 
 
 def report_figure(bench: dict | None, tune: dict | None, title: str) -> Figure:
     """`kdtree report`'s figure: the bench's two panels (where it ran) over the tuner's (where it ran): each timed
     batch's shipped and tuned pick over the fastest plan, in percent, with the 3 % bar."""
-    rows = [r for r in ((tune or {}).get("summary") or {}).get("rows", []) if r.get("tuned_ratio") is not None]
+    from kdtree.tune import PICK_MARGIN
+
+    rows = tuned_rows(tune)
     has_bench = bool(bench and bench.get("cases"))
     if not (has_bench or rows):
         raise ValueError("report_figure: neither a bench result with cases nor a tune summary with rows")
@@ -79,9 +88,8 @@ def report_figure(bench: dict | None, tune: dict | None, title: str) -> Figure:
         x = np.arange(len(rows))
         for k, (key, label, color) in enumerate((("shipped", "shipped constants", "#7f7f7f"), ("tuned", "tuned", "#1f77b4"))):
             pct = [100 * (r[f"{key}_ratio"] - 1) for r in rows]
-            ax3.bar(
-                x + (k - 0.5) * 0.4, pct, 0.4, label=f"{label}: {sum(p <= 3 for p in pct)} of {len(pct)} within 3 %", color=color
-            )
+            within = sum(r[f"{key}_ratio"] <= 1 + PICK_MARGIN for r in rows)  # as `kdtree.tune.summary` counts
+            ax3.bar(x + (k - 0.5) * 0.4, pct, 0.4, label=f"{label}: {within} of {len(pct)} within 3 %", color=color)
         ax3.axhline(3, color="black", ls="--", lw=1, label="3 % over the fastest")
         ax3.set_xticks(x)
         ax3.set_xticklabels([r["batch"] for r in rows], rotation=60, ha="right", fontsize=6)

@@ -121,9 +121,9 @@ def run(out_dir: Path, *, parts: dict[str, Callable[[], dict]] | None = None, sa
     (out_dir / "summary.md").write_text(summary(report))
     bench, tune = (report["parts"].get(k, {}) for k in ("bench", "tune"))
     bench, tune = (p["result"] if p.get("ok") else None for p in (bench, tune))
-    if (bench and bench.get("cases")) or (tune and tune.get("summary", {}).get("rows")):
-        from kdtree.plots import report_figure
+    from kdtree.plots import report_figure, tuned_rows
 
+    if (bench and bench.get("cases")) or tuned_rows(tune):
         env = report["parts"].get("environment", {}).get("result") or {}
         title = f"kdtree report: {env.get('gpu', 'GPU unknown')} ({env.get('capability', '?')}), {report['started']}"
         report_figure(bench, tune, title).savefig(out_dir / "report.png", dpi=110, bbox_inches="tight")
@@ -180,7 +180,7 @@ def summary(report: dict) -> str:
                 f"- {k} picks over the fastest plan: geomean {s[k]['geomean']:.3f}, worst {s[k]['worst']:.3f}"
                 + (f"; within 3 % on {within[k]} of {n} batches" if k in within else "")
                 for k in ("shipped", "tuned")
-                if s[k]["geomean"] is not None
+                if s.get(k, {}).get("geomean") is not None
             ]
             if r.get("picks"):
                 lines.append(f"- measured picks for {len(r['picks'])} shape class(es) the fit misses by over 3 %")

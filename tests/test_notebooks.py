@@ -9,11 +9,15 @@ import pytest
 
 from conftest import ROOT
 
-# the notebook stack; the device's Python lacks it unless `tools/gpu_session.sh notebooks` carries it
-jupytext = pytest.importorskip("jupytext", reason="needs jupytext and nbclient (the notebook stack)")
-NotebookClient = pytest.importorskip("nbclient", reason="needs nbclient (the notebook stack)").NotebookClient
-
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.py"))
+
+
+@pytest.fixture
+def jupytext():
+    """The notebook stack (jupytext, nbclient): a dev install has it; the GPU machine's Python lacks it unless
+    `tools/gpu_session.sh notebooks` carries it, and there the tests that run notebooks skip."""
+    pytest.importorskip("nbclient", reason="needs nbclient (the notebook stack)")
+    return pytest.importorskip("jupytext", reason="needs jupytext (the notebook stack)")
 
 
 def test_notebooks_are_tracked_as_scripts_only():
@@ -28,7 +32,7 @@ def test_notebooks_are_tracked_as_scripts_only():
         assert "formats: ipynb,py:percent" in head and "jupytext_version:" not in head, script.name
 
 
-def test_lab_makes_missing_notebooks_from_their_scripts(tmp_path):
+def test_lab_makes_missing_notebooks_from_their_scripts(tmp_path, jupytext):
     from kdtree.lab import command, ensure_notebooks
 
     (tmp_path / "notebooks").mkdir()
@@ -44,10 +48,12 @@ def test_lab_makes_missing_notebooks_from_their_scripts(tmp_path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_headless(path: Path, monkeypatch):
+def test_notebook_runs_headless(path: Path, monkeypatch, jupytext):
     # the kernel inherits the environment: a crash prints its Python traceback to stderr; a stuck cell is
     # interrupted after the timeout, so its KeyboardInterrupt traceback says where it stuck
     monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
+    from nbclient import NotebookClient
+
     nb = jupytext.read(path)
     client = NotebookClient(
         nb,

@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 from kdtree import report, selfcheck
 from kdtree.cli import app
 
+from conftest import ROOT
+
 pytest.importorskip("cuda.bindings", reason="NVRTC not installed (pip install -e '.[nvrtc]')")
 
 
@@ -48,3 +50,15 @@ def test_a_report_records_every_part_and_a_failed_one_does_not_stop_the_rest(tmp
 def test_the_command_needs_a_gpu():
     r = CliRunner().invoke(app, ["report", "-o", "x"])
     assert r.exit_code == 2 and "needs a CUDA GPU" in r.output
+
+
+def test_where_the_bench_fails_the_figure_shows_the_tuners_picks_and_the_summary_counts_them(tmp_path):
+    tune = json.loads((ROOT / "tests/fixtures/tune-h100.json").read_text())  # `kdtree tune`'s result on an H100
+    r = report.run(tmp_path / "rep", parts={"bench": _bench_fails, "tune": lambda: tune})
+    assert not r["parts"]["bench"]["ok"] and (tmp_path / "rep" / "report.png").stat().st_size > 10_000
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    n, within = len(tune["summary"]["rows"]), tune["summary"]["within_margin"]
+    assert f"within 3 % on {within['shipped']} of {n} batches" in md and f"within 3 % on {within['tuned']} of {n}" in md
+    assert f"measured picks for {len(tune['picks'])} shape class(es)" in md
+    empty = report.run(tmp_path / "none", parts={"bench": _bench_fails, "tune": lambda: {"summary": {"rows": []}}})
+    assert empty["parts"]["tune"]["ok"] and not (tmp_path / "none" / "report.png").exists()

@@ -21,9 +21,9 @@
 #  quick: the shipped captures, the fused merge and determinism tests only)
 set -uo pipefail
 # the parts, as the usage line names them: a word that is none of them stops the call before anything runs
-PARTS=" $(sed -n '3s/.*\[\(.*\)\].*/\1/p' "$0" | tr '|' ' ') "
+PARTS=" $(sed -n '3s/.*\[\(.*\)\].*/\1/p' "${BASH_SOURCE[0]}" | tr '|' ' ') "
 for w in "$@"; do
-  [[ "$PARTS" == *" $w "* ]] || { echo "gpu_session.sh: no part named '$w' (the parts:$PARTS)" >&2; exit 2; }
+  [[ $w != *[[:space:]]* && "$PARTS" == *" $w "* ]] || { echo "gpu_session.sh: no part named '$w' (the parts:$PARTS)" >&2; exit 2; }
 done
 OUT=$(mkdir -p "${OUT:-gpu-out}" && cd "${OUT:-gpu-out}" >/dev/null && pwd) || exit 1  # absolute: bench-ref runs elsewhere
 if ls .whl/*.whl >/dev/null 2>&1; then   # carried wheels (SGLang and what its import chain needs)
@@ -39,7 +39,7 @@ fi
 # the repository, and tests/ for the sgl_kernel stand-in (tests/sglang_harness) the sglang-* scripts import
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/tests" PYTHONUNBUFFERED=1
 # pytest's workers where PYTEST_WORKERS > 0 and pytest-xdist was carried (one process by default: on an H100 six
-# workers ran the GPU suite slower than one process did)
+# workers got through a third of the GPU suite in ten minutes, no faster than one process; docs/history/house.md)
 workers() { [ "${PYTEST_WORKERS:-0}" != 0 ] && python3 -c "import xdist" 2>/dev/null && echo "-n $PYTEST_WORKERS"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t0=$SECONDS
@@ -85,7 +85,8 @@ for w in "$@"; do
     test) step test-gpu 570 python3 -m pytest -q $(workers) tests/test_kernel_gpu.py tests/test_kernel_plan.py ;;
     gpu-suite|gpu-suite-fuzz|gpu-suite-kernel|gpu-suite-rest)
                # every gpu-marked test but the live servers' (server-tests), in three parts of at most ~9 minutes
-               # each on an H100 (one call each; `gpu-suite` runs all three); GPU_SUITE_K selects within a part
+               # each on an H100: one call each (`gpu-suite` runs all three, for a machine without a call limit);
+               # GPU_SUITE_K selects within a part (a part it leaves empty ends rc=5, pytest's "no tests")
                suite=(python3 -m pytest -q -rs $(workers) -m gpu) k=${GPU_SUITE_K:+ and ($GPU_SUITE_K)}
                case $w in gpu-suite|gpu-suite-fuzz)
                  step gpu-suite-fuzz "${GPU_SUITE_LIMIT:-580}" "${suite[@]}" tests/test_kernel_gpu.py -k "test_fuzz$k" ;; esac

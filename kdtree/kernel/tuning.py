@@ -78,7 +78,7 @@ class Fit:
 def fit(timed: list[Timed], base: CostModel | None = None, *, min_points: int = 3) -> Fit:
     """Least squares of ms = intercept + sum over kinds of (units x a_kind + segments x b_kind). A kind needs
     `min_points` measurements whose (units, segments) are not all proportional, or it keeps `base`'s costs. The
-    scale is the reference kind's unit, or where it was not measured, the first fitted kind's shipped unit."""
+    scale is the reference kind's unit, or where it was not measured, the shipped unit of the first fitted kind by name."""
     base = base or shipped_model()
     kinds = sorted({t.kind for t in timed})
     usable = []
@@ -89,7 +89,7 @@ def fit(timed: list[Timed], base: CostModel | None = None, *, min_points: int = 
     if not usable:
         raise TuneError(f"no body has {min_points} measurements of distinct shapes: nothing to fit")
     # the scale: the reference body's unit where it was measured; else (sm_120's configurations have no wgmma64) the
-    # first fitted body's unit keeps its shipped cost, so the unfitted bodies stay comparable to the fitted ones
+    # first fitted body by name keeps its shipped unit, so the unfitted bodies stay comparable to the fitted ones
     anchor = REFERENCE_KIND if REFERENCE_KIND in usable else usable[0]
     rows = [t for t in timed if t.kind in usable]
     a = np.zeros((len(rows), 2 * len(usable) + 1))
