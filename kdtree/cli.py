@@ -690,7 +690,8 @@ def tune_cmd(
     """Fit the planner's cost model to this GPU: every plan the planner weighs for the bench cases and fuzz
     batches, timed; a least-squares fit of each body's unit and segment costs; the shipped model's picks and the
     fit's against the fastest plan per batch. Writes the tuning file for this GPU and kernel source (the planner
-    loads it; KDTREE_TUNING=off ignores it). Needs a GPU."""
+    loads it; KDTREE_TUNING=off ignores it), and tune.json with every timed plan (units, segments, ms: the fit's
+    inputs, to fit again elsewhere). Needs a GPU."""
     from kdtree import tune
     from kdtree.impls import gpu_available
     from kdtree.kernel import source_hash, tuning

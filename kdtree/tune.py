@@ -100,6 +100,23 @@ def time_batches(batches, configs=None, *, say=lambda _: None) -> list[BatchTime
     return out
 
 
+def timings_json(times: list[BatchTimes]) -> list[dict]:
+    """Every timed plan of every batch as `tune.json` keeps it: its label, its body's cost kind, its slowest block's
+    padded units and segments (the fit's inputs), its median ms and its cost under the shipped model - enough to
+    refit, or try another cost model, on another machine (a report sent back from a GPU not run here)."""
+    return [
+        {
+            "batch": bt.name,
+            "shape": bt.shape,
+            "plans": [
+                {"label": lab, "kind": t.kind, "units": t.units, "segments": t.segments, "ms": ms, "shipped_cost": c}
+                for lab, t, ms, c in zip(bt.labels, bt.timed, bt.ms, bt.shipped_cost)
+            ],
+        }
+        for bt in times
+    ]
+
+
 def retime_costs(times: list[BatchTimes], model: CostModel) -> None:
     """Each batch's plans costed again under `model`, on the arguments they were timed on (the plans weighed are
     the model's too, in the same order)."""
@@ -227,9 +244,11 @@ def tune(batches, configs=None, *, repeat: int = 1, holdout=(), say=lambda _: No
         first = passes[0][0]
         retime_costs(first, f.model)
         out["first_pass_under_last_fit"] = summary(first, picks)
+    out["timings"] = {"passes": [timings_json(t) for t, _, _ in passes]}
     if holdout:
         held = time_batches(holdout, configs, say=lambda m: say(f"holdout: {m}"))
         retime_costs(held, f.model)
         out["holdout"] = summary(held, picks)
+        out["timings"]["holdout"] = timings_json(held)
     out["_model"] = f
     return out

@@ -221,6 +221,7 @@ def test_tune_fits_picks_and_checks_them_on_the_first_pass_and_held_out_batches(
             tm = timings(TRUE, seed=i, kinds=("wgmma64", "mma64", "mma32"))[:6] + timings(TRUE, seed=i)[12:18]
             labels = [f"p{j}" for j in range(len(tm))]
             ms = [t.ms * (1 + 0.01 * rng.standard_normal()) for t in tm]
+            tm = [Timed(t.kind, t.units, t.segments, m) for t, m in zip(tm, ms)]  # as timed: the fit sees these times
             weigh = lambda model, tm=tm: [(_Plan(f"p{j}"), (model or TRUE).unit_cost[t.kind] * t.units) for j, t in enumerate(tm)]  # noqa: E731
             out.append(tune.BatchTimes(name, labels, ms, [c for _, c in weigh(None)], tm, weigh=weigh, shape=f"S{i % 3}"))
         return out
@@ -242,6 +243,12 @@ def test_tune_fits_picks_and_checks_them_on_the_first_pass_and_held_out_batches(
     s = r["summary"]
     assert s["tuned"]["geomean"] <= s["fit"]["geomean"] + 1e-12
     assert all(row["measured_pick"] == r["picks"].get(row["shape"]) for row in s["rows"])
+    # every timed plan kept, so that the fit can be made again from tune.json alone
+    t = json.loads(json.dumps(r["timings"]))
+    assert [[b["batch"] for b in p] for p in t["passes"]] == [[f"b{i}" for i in range(6)]] * 2
+    assert [b["batch"] for b in t["holdout"]] == ["h0", "h1"]
+    last = [Timed(x["kind"], x["units"], x["segments"], x["ms"]) for b in t["passes"][-1] for x in b["plans"]]
+    assert tuning.fit(last).model == r["_model"].model
 
 
 def test_tune_times_all_twelve_bench_cases_unless_told_and_held_out_seeds_follow_the_fitted():
