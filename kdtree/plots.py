@@ -68,11 +68,10 @@ def tuned_rows(tune: dict | None) -> list[dict]:
     return [r for r in ((tune or {}).get("summary") or {}).get("rows", []) if r.get("tuned_ratio") is not None]
 
 
-def report_figure(bench: dict | None, tune: dict | None, title: str) -> Figure:
+def report_figure(bench: dict | None, tune: dict | None, title: str, *, margin: float) -> Figure:
     """`kdtree report`'s figure: the bench's two panels (where it ran) over the tuner's (where it ran): each timed
-    batch's shipped and tuned pick over the fastest plan, in percent, with the 3 % bar."""
-    from kdtree.tune import PICK_MARGIN
-
+    batch's shipped and tuned pick over the fastest plan, in percent, with the bar at `margin` (the tuner's
+    `PICK_MARGIN`)."""
     rows = tuned_rows(tune)
     has_bench = bool(bench and bench.get("cases"))
     if not (has_bench or rows):
@@ -88,9 +87,11 @@ def report_figure(bench: dict | None, tune: dict | None, title: str) -> Figure:
         x = np.arange(len(rows))
         for k, (key, label, color) in enumerate((("shipped", "shipped constants", "#7f7f7f"), ("tuned", "tuned", "#1f77b4"))):
             pct = [100 * (r[f"{key}_ratio"] - 1) for r in rows]
-            within = sum(r[f"{key}_ratio"] <= 1 + PICK_MARGIN for r in rows)  # as `kdtree.tune.summary` counts
-            ax3.bar(x + (k - 0.5) * 0.4, pct, 0.4, label=f"{label}: {within} of {len(pct)} within 3 %", color=color)
-        ax3.axhline(3, color="black", ls="--", lw=1, label="3 % over the fastest")
+            within = sum(r[f"{key}_ratio"] <= 1 + margin for r in rows)  # as `kdtree.tune.summary` counts
+            ax3.bar(
+                x + (k - 0.5) * 0.4, pct, 0.4, label=f"{label}: {within} of {len(pct)} within {100 * margin:g} %", color=color
+            )
+        ax3.axhline(100 * margin, color="black", ls="--", lw=1, label=f"{100 * margin:g} % over the fastest")
         ax3.set_xticks(x)
         ax3.set_xticklabels([r["batch"] for r in rows], rotation=60, ha="right", fontsize=6)
         ax3.set_ylabel("pick's time over the fastest plan's (%)")

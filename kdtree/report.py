@@ -122,11 +122,12 @@ def run(out_dir: Path, *, parts: dict[str, Callable[[], dict]] | None = None, sa
     bench, tune = (report["parts"].get(k, {}) for k in ("bench", "tune"))
     bench, tune = (p["result"] if p.get("ok") else None for p in (bench, tune))
     from kdtree.plots import report_figure, tuned_rows
+    from kdtree.tune import PICK_MARGIN
 
     if (bench and bench.get("cases")) or tuned_rows(tune):
         env = report["parts"].get("environment", {}).get("result") or {}
         title = f"kdtree report: {env.get('gpu', 'GPU unknown')} ({env.get('capability', '?')}), {report['started']}"
-        report_figure(bench, tune, title).savefig(out_dir / "report.png", dpi=110, bbox_inches="tight")
+        report_figure(bench, tune, title, margin=PICK_MARGIN).savefig(out_dir / "report.png", dpi=110, bbox_inches="tight")
     return report
 
 

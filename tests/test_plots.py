@@ -255,7 +255,7 @@ def test_the_report_figure_puts_the_tuners_picks_under_the_bench():
     bench = json.loads((ROOT / "tests/fixtures/bench-h200.json").read_text())
     tune = json.loads((ROOT / "tests/fixtures/tune-h100.json").read_text())  # `kdtree tune`'s result on an H100
     rows = tune["summary"]["rows"]
-    ax, ax2, ax3 = report_figure(bench, tune, "t").axes
+    ax, ax2, ax3 = report_figure(bench, tune, "t", margin=0.03).axes
     assert ax2.get_ylim()[1] > bench["ceilings"]["matmul_bf16_tflops"]  # the ceiling line in view, below the legend
     assert [t.get_text() for t in ax3.get_xticklabels()] == [r["batch"] for r in rows]
     n = len(rows)
@@ -264,6 +264,6 @@ def test_the_report_figure_puts_the_tuners_picks_under_the_bench():
     legend = [t.get_text() for t in ax3.get_legend().get_texts()]
     for key, label in (("shipped", "shipped constants"), ("tuned", "tuned")):  # the tuner's own counts
         assert f"{label}: {tune['summary']['within_margin'][key]} of {n} within 3 %" in legend
-    assert len(report_figure(None, tune, "t").axes) == 1  # the bench failed: the tuner's panel alone
+    assert len(report_figure(None, tune, "t", margin=0.03).axes) == 1  # the bench failed: the tuner's panel alone
     with pytest.raises(ValueError, match="neither"):
-        report_figure(None, {"summary": {"rows": []}}, "t")
+        report_figure(None, {"summary": {"rows": []}}, "t", margin=0.03)
