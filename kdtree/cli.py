@@ -466,23 +466,34 @@ def _interrupt_code(e: KeyboardInterrupt) -> int:
     return 143 if isinstance(e, Terminated) else 130
 
 
-def _bench_server(out: Path, grid: dict) -> None:
-    """`kdtree bench --server`: checked before any server starts; the table printed, JSON and PNG in `out`."""
+def _server_prerequisites(command: str, tp: int) -> None:
+    """What a real SGLang server over the tiny checkpoint needs (`server-check`, `bench --server`), all that is
+    missing named in one message, the GPU first; and a GPU a rank."""
     import importlib.util
 
     import torch
 
+    missing = [] if torch.cuda.is_available() else ["a CUDA GPU (it launches a real SGLang server)"]
+    for module, what in (
+        ("sglang", "SGLang (pip install -e '.[sglang]')"),
+        ("transformers", "transformers"),
+        ("tokenizers", "tokenizers"),
+    ):
+        if importlib.util.find_spec(module) is None:
+            missing.append(what)
+    if missing:
+        raise BadInput(f"{command} needs {', '.join(missing)}: missing here")
+    if tp > torch.cuda.device_count():
+        raise BadInput(f"--tp {tp}: this machine has {torch.cuda.device_count()} GPU(s)")
+
+
+def _bench_server(out: Path, grid: dict) -> None:
+    """`kdtree bench --server`: checked before any server starts; the table printed, JSON and PNG in `out`."""
     from kdtree.server import bench as sb
 
     settings = sb.ServerBenchSettings(**grid)
     settings.check()
-    missing = [] if torch.cuda.is_available() else ["a CUDA GPU"]
-    if importlib.util.find_spec("sglang") is None:
-        missing.append("SGLang (pip install -e '.[sglang]')")
-    if missing:
-        raise BadInput(f"kdtree bench --server needs {' and '.join(missing)}: missing here")
-    if settings.tp > torch.cuda.device_count():
-        raise BadInput(f"--tp {settings.tp}: this machine has {torch.cuda.device_count()} GPU(s)")
+    _server_prerequisites("kdtree bench --server", settings.tp)
     from kdtree.server.process import sigterm_as_interrupt
 
     if out.exists() and not out.is_dir():
@@ -576,8 +587,6 @@ def server_check(
     tiny random DeepSeek-V3-architecture checkpoint built offline, in each mode (shadow eager, serve under CUDA
     graphs, capture); drive greedy requests; report per mode. Exit 0 when every mode passes, 1 when one fails,
     2 on bad input or a machine that cannot run it. Run it before pointing kdtree at a real model."""
-    import importlib.util
-
     from kdtree.server.check import CheckSettings, run_check
     from kdtree.server.checkpoint import TinySpec
     from kdtree.server.process import sigterm_as_interrupt
@@ -602,20 +611,7 @@ def server_check(
     settings.check()
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out {out}: exists and is not a directory")
-    import torch
-
-    missing = [] if torch.cuda.is_available() else ["a CUDA GPU (it launches a real SGLang server)"]
-    for module, what in (
-        ("sglang", "SGLang (pip install -e '.[sglang]')"),
-        ("transformers", "transformers"),
-        ("tokenizers", "tokenizers"),
-    ):
-        if importlib.util.find_spec(module) is None:
-            missing.append(what)
-    if missing:
-        raise BadInput(f"kdtree server-check needs {', '.join(missing)}: missing here")
-    if tp > torch.cuda.device_count():
-        raise BadInput(f"--tp {tp}: this machine has {torch.cuda.device_count()} GPU(s)")
+    _server_prerequisites("kdtree server-check", tp)
     console = Console(stderr=True)
     try:
         with sigterm_as_interrupt(), console.status("server-check") as status:

@@ -15,7 +15,7 @@ from functools import partial
 
 import numpy as np
 
-from kdtree.kernel.planner import plan_label
+from kdtree.kernel.planner import pick_index, plan_label
 from kdtree.kernel.tuning import CostModel, Timed, fit, shipped_model
 
 PICK_MARGIN = 0.03  # a class whose fitted picks lose more than this to its fastest plans gets a measured pick
@@ -36,11 +36,8 @@ class BatchTimes:
     shape: str = ""  # `shape_class` of the batch
 
     def pick(self, costs: list[float], label: str | None = None) -> int:
-        """The plan `choose_plan` takes: the one labelled `label` where there is one, else the cheapest (the first
-        on ties)."""
-        if label is not None and label in self.labels:
-            return self.labels.index(label)
-        return int(np.argmin(costs))
+        """The plan `choose_plan` takes under `costs` and a measured pick `label` (`planner.pick_index`)."""
+        return pick_index(self.labels, costs, label)
 
     def ratio(self, costs: list[float], label: str | None = None) -> float:
         """The picked plan's time over the fastest plan's."""

@@ -128,12 +128,12 @@ def test_the_planner_loads_this_gpus_tuning_file_and_ignores_a_foreign_one(tmp_p
     tuning.save(TuningFile("GPU A", 188, source_hash(), f.model, f.fitted, target="sm_90"), path)
     env = {"KDTREE_CACHE_DIR": str(tmp_path)}
     tuning._active.clear()
-    assert tuning.active_model("GPU A", 188, "sm_90", env) == f.model  # found where `kdtree tune` writes it
-    assert tuning.active_model("GPU A", 188, "sm_90", {"KDTREE_TUNING": "off"}) is None
+    assert tuning.active_tuning("GPU A", 188, "sm_90", env).model == f.model  # found where `kdtree tune` writes it
+    assert tuning.active_tuning("GPU A", 188, "sm_90", {"KDTREE_TUNING": "off"}) is None
     with caplog.at_level("WARNING", logger="kdtree"):
-        assert tuning.active_model("GPU B", 132, "sm_90", {"KDTREE_TUNING": str(path)}) is None  # foreign: said, not used
+        assert tuning.active_tuning("GPU B", 132, "sm_90", {"KDTREE_TUNING": str(path)}) is None  # foreign: said, not used
     assert "foreign" in caplog.text and "shipped cost model" in caplog.text
-    assert tuning.active_model("GPU A", 188, "sm_120", env) is None  # none for that target: the shipped model, silently
+    assert tuning.active_tuning("GPU A", 188, "sm_120", env) is None  # none for that target: the shipped model, silently
 
 
 def test_a_batchs_picks_are_read_against_its_fastest_plan():

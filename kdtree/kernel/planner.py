@@ -480,11 +480,16 @@ def choose_plan(
 
 def pick_plan(weighed: list[tuple[LaunchPlan, float]], label: str | None = None) -> LaunchPlan:
     """The weighed plan labelled `label` (`plan_label`) where there is one, else the cheapest (the first on ties)."""
-    if label is not None:
-        for p, _ in weighed:
-            if plan_label(p) == label:
-                return p
-    return min(weighed, key=lambda pc: pc[1])[0]
+    labels = [plan_label(p) for p, _ in weighed] if label is not None else []
+    return weighed[pick_index(labels, [c for _, c in weighed], label)][0]
+
+
+def pick_index(labels: list[str], costs: list[float], label: str | None = None) -> int:
+    """`pick_plan`'s rule on plans given by their labels and costs (`kdtree tune` holds them so): the one labelled
+    `label` where there is one, else the cheapest, the first on ties."""
+    if label is not None and label in labels:
+        return labels.index(label)
+    return min(range(len(costs)), key=costs.__getitem__)
 
 
 def plan_label(p: LaunchPlan) -> str:

@@ -192,12 +192,6 @@ def tuning_path(gpu: str, sms: int, target: str = "", directory: Path | None = N
 _active: dict = {}
 
 
-def active_model(gpu: str, sms: int, target: str = "", env: dict | None = None) -> CostModel | None:
-    """The cost model of `active_tuning`, or None (the shipped constants)."""
-    t = active_tuning(gpu, sms, target, env)
-    return t.model if t is not None else None
-
-
 def active_tuning(gpu: str, sms: int, target: str = "", env: dict | None = None) -> TuningFile | None:
     """The tuning the planner uses on this GPU: the file `kdtree tune` wrote for it (or the one $KDTREE_TUNING
     names), else None (the shipped constants, no measured picks). A file that cannot be used is said once (logger
