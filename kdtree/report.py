@@ -12,51 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 import traceback
 from pathlib import Path
 from typing import Callable
 
+from kdtree.environment import describe
+
 FORMAT = "kdtree-report/1"
-
-
-def environment() -> dict:
-    """The GPU, its driver and the software kdtree runs on."""
-    import importlib.metadata
-
-    import torch
-
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    env = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "cuda_runtime": torch.version.cuda,
-        "cupy": next((v for d in ("cupy-cuda13x", "cupy-cuda12x", "cupy") if (v := version(d))), None),
-        "sglang": version("sglang"),
-        "triton": version("triton"),
-        "kdtree": version("kdtree"),
-    }
-    if torch.cuda.is_available():
-        dev = torch.cuda.current_device()
-        p = torch.cuda.get_device_properties(dev)
-        env |= {
-            "gpu": p.name,
-            "capability": f"sm_{p.major}{p.minor}",
-            "sms": p.multi_processor_count,
-            "memory_gib": round(p.total_memory / 2**30, 1),
-            "l2_bytes": getattr(p, "L2_cache_size", None),
-        }
-        from kdtree.selfcheck import driver_version
-
-        env["driver"] = driver_version()
-    return env
 
 
 def selfcheck_part() -> dict:
@@ -90,7 +53,7 @@ def tune_part(fuzz: int = 40) -> dict:
 
 
 PARTS: dict[str, Callable[[], dict]] = {
-    "environment": environment,
+    "environment": describe,
     "selfcheck": selfcheck_part,
     "compile": compile_part,
     "bench": bench_part,

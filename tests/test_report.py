@@ -9,7 +9,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kdtree import report, selfcheck
+from kdtree import environment, report, selfcheck
 from kdtree.cli import app
 
 from conftest import ROOT
@@ -62,3 +62,16 @@ def test_where_the_bench_fails_the_figure_shows_the_tuners_picks_and_the_summary
     assert f"measured picks for {len(tune['picks'])} shape class(es)" in md
     empty = report.run(tmp_path / "none", parts={"bench": _bench_fails, "tune": lambda: {"summary": {"rows": []}}})
     assert empty["parts"]["tune"]["ok"] and not (tmp_path / "none" / "report.png").exists()
+
+
+def test_the_environment_names_the_software_the_gpu_and_what_nccl_is_told(monkeypatch):
+    import torch
+
+    for k in environment.NCCL_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    env = environment.describe()
+    assert env["torch"] == torch.__version__ and env["cuda"] == torch.version.cuda
+    assert env["nccl_env"] == {"NCCL_NVLS_ENABLE": "0"}  # only what is set, as it is set
+    assert env["gpus"] == torch.cuda.device_count() and (env["gpu"] is None) == (not torch.cuda.is_available())
+    assert environment.version("no-such-distribution-kdtree") is None and environment.version("numpy")

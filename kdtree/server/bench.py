@@ -263,9 +263,9 @@ def run(
     `out_dir/bench-server.json` after each server. `launcher` replaces SGLang's command line (`run_mode`)."""
     s.check()
     out_dir.mkdir(parents=True, exist_ok=True)
-    from kdtree.server.check import environment
+    from kdtree.environment import describe
 
-    result = {"settings": asdict(s), "environment": environment(), "rows": [], "servers": [], "pairs": [], "problems": []}
+    result = {"settings": asdict(s), "environment": describe(), "rows": [], "servers": [], "pairs": [], "problems": []}
     for heads in s.heads:
         spec = s.spec(heads)
         model = build_checkpoint(spec, (model_root or out_dir) / f"model-h{heads}-c{spec.context_length}")

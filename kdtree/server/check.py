@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from kdtree.diff import DEFAULT_TOLERANCE  # captures diff as `kdtree diff` does
+from kdtree.environment import describe
 from kdtree.errors import BadInput
 from kdtree.server import client, logscan
 from kdtree.server.checkpoint import TinySpec, build_checkpoint
@@ -352,35 +353,6 @@ def run_mode(
     return result
 
 
-NCCL_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
-
-
-def environment() -> dict:
-    """The versions and the GPU a report was made with."""
-    import importlib.metadata as md
-
-    import torch
-
-    def version(dist):
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            return None
-
-    return {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        # what a multi-GPU server's NCCL is told (NVLink multicast off where a machine requires it)
-        "nccl_env": {k: os.environ[k] for k in NCCL_ENV if k in os.environ},
-        "sglang": version("sglang"),
-        "transformers": version("transformers"),
-        "cupy": version("cupy-cuda13x") or version("cupy-cuda12x") or version("cupy"),
-    }
-
-
 def write_json(path: Path, obj) -> None:
     """Write atomically (temporary file, rename): a report is whole or absent."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -410,7 +382,7 @@ def run_check(
         "complete": False,
         "spec": asdict(spec),
         "settings": asdict(s),
-        "environment": environment(),
+        "environment": describe(),
         "modes": {},
     }
     try:
