@@ -36,15 +36,16 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check kdtree tests tools experiments
 	$(BIN)/clang-format --style=file --dry-run --Werror kernels/*.cu kernels/*.cuh
 
-# On a machine with a CUDA GPU, torch, CuPy and triton (e.g. the lent H200: `tools/gpu_session.sh all`
-# does these in one call). Without a GPU the GPU tests skip with a reason.
-# Every test marked gpu (the kernel, the plan on the device, the serving path, SGLang's kit, real servers, A/B);
-# the log is kept in test-gpu.log. PYTEST_ARGS adds to pytest's (say `-k fuzz`).
+# On a machine with a CUDA GPU, torch, CuPy and triton: .venv's Python where `make` made one (with the cuda13 or
+# cuda12 extra installed), else python3 (a GPU machine's own environment). Without a GPU the GPU tests skip with a
+# reason. test-gpu: every test marked gpu (the kernel, the plan on the device, the serving path, SGLang's kit, real
+# servers, A/B); the log is kept in test-gpu.log. PYTEST_ARGS adds to pytest's (say `-k fuzz`).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 test-gpu:
-	python3 -m pytest -q -rs -m gpu tests $(PYTEST_ARGS) 2>&1 | tee test-gpu.log; exit $${PIPESTATUS[0]}
+	$(GPU_PYTHON) -m pytest -q -rs -m gpu tests $(PYTEST_ARGS) 2>&1 | tee test-gpu.log; exit $${PIPESTATUS[0]}
 
 bench:
-	python3 -m kdtree bench -o bench-out
+	$(GPU_PYTHON) -m kdtree bench -o bench-out
 
 captures: $(STAMP)
 	data/captured_batches/regenerate.sh $(BIN)/kdtree

@@ -34,6 +34,7 @@ app = typer.Typer(
 BAD_INPUT_EXIT = 2
 BUG_EXIT = 3
 BUG_HINT = "kdtree: this is a bug; please report it with the traceback above"
+PIPE_CLOSED_EXIT = 141  # the reader of stdout went away (`| head`): what a shell reports for a process SIGPIPE ended
 # how typer and click end a command on purpose (an exit code, a usage error, an abort): not errors of kdtree's
 _CLI_EXITS = (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException)
 
@@ -41,12 +42,18 @@ _CLI_EXITS = (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.A
 def exit_codes(fn):
     """Bad input (BadInput) -> one line on stderr and exit 2; any other exception is a bug -> its traceback, a
     line asking to report it, exit 3. An IndexError or KeyError is a bug too: bad input is checked and raised as
-    BadInput where it is read, never inferred from an exception's type."""
+    BadInput where it is read, never inferred from an exception's type. A closed stdout is neither: exit 141, quiet."""
 
     @wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more can be written there
+            raise typer.Exit(PIPE_CLOSED_EXIT) from None
         except _CLI_EXITS:
             raise
         except BadInput as e:
@@ -166,7 +173,9 @@ def synth(
 def diff(
     captures: List[Path] = typer.Argument(..., help="capture files (.safetensors), or directories of them"),
     impl: Optional[str] = typer.Option(
-        None, help="implementation under test: model (default without a GPU), emulation, oracle, capture"
+        None,
+        help="implementation under test: cuda (the kernel, default on a GPU), model (default without one), emulation, "
+        "oracle, sglang (SGLang's Triton kernel, on a GPU), capture",
     ),
     ref: str = typer.Option("oracle", help="reference: oracle (fp64), capture (the o SGLang produced), emulation"),
     inject: Optional[str] = typer.Option(None, help="marshaling fault to inject: prefix-only-kv, prefix-stride"),
@@ -177,7 +186,7 @@ def diff(
 ):
     """Run an implementation on captures and diff it against a reference, per layer.
 
-    Prints `[kdtree] L<layer> max_abs_diff=... mean=... rel=...` per layer; exit 0 when every layer
+    Prints `\\[kdtree] L<layer> max_abs_diff=... mean=... rel=...` per layer; exit 0 when every layer
     passes, 1 when any is outside tolerance, 2 on bad input, 3 on a bug.
     """
     from kdtree.impls import IMPLS, default_impl, diff_capture, unavailable
@@ -307,8 +316,12 @@ def plan_(
     captures: Optional[List[Path]] = typer.Argument(None, help="capture files (.safetensors), or directories of them"),
     case: Optional[List[str]] = typer.Option(None, help="bench cases whose name contains this (repeatable)"),
     target: str = typer.Option("sm_90", help="plan with this target's candidates: sm_90 (Hopper), sm_120, ..."),
-    sms: int = typer.Option(132, help="SMs of the GPU planned for (H200 132, RTX PRO 6000 188)"),
-    l2_mib: float = typer.Option(60.0, "--l2-mib", help="its L2 cache in MiB (H200 60, RTX PRO 6000 ~122; 0: unknown)"),
+    sms: Optional[int] = typer.Option(
+        None, help="SMs of the GPU planned for (default: the target's, RTX PRO 6000 188 for sm_120, else H200 132)"
+    ),
+    l2_mib: Optional[float] = typer.Option(
+        None, "--l2-mib", help="its L2 cache in MiB (default: RTX PRO 6000 ~122 for sm_120, else H200 60; 0: unknown)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
 ):
     """Show every plan the cost model weighs for a batch on a target, and its pick: body, key range, split,
@@ -318,10 +331,12 @@ def plan_(
 
     from kdtree.kernel.config import TARGET_NAMES, KernelConfig
     from kdtree.marshal import marshal
-    from kdtree.plan_report import format_report, plan_report
+    from kdtree.plan_report import format_report, plan_report, target_gpu
 
     if target not in TARGET_NAMES:
         raise BadInput(f"--target: unknown target {target!r}; expected one of {' '.join(TARGET_NAMES)}")
+    _, default_sms, default_l2 = target_gpu(target)
+    sms, l2_mib = default_sms if sms is None else sms, default_l2 if l2_mib is None else l2_mib
     if sms < 1 or not math.isfinite(l2_mib) or l2_mib < 0:
         raise BadInput(f"--sms must be at least 1 and --l2-mib finite and not negative (got {sms}, {l2_mib})")
     if not captures and not case:

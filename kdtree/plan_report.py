@@ -5,8 +5,17 @@ largest and mean block and most segments a block, the cost it is weighed by, and
 from __future__ import annotations
 
 from kdtree.kernel import KernelConfig, LaunchPlan, weighed_plans
-from kdtree.kernel.planner import pool_row_bytes
+from kdtree.kernel.planner import L2_SPREAD_COST, pool_row_bytes
 from kdtree.marshal import VerifyArgs
+
+# the GPU a target is planned for unless told otherwise: (name, SMs, L2 MiB) of its part of record
+TARGET_GPUS = {"sm_120": ("RTX PRO 6000", 188, 122.0)}
+HOPPER_GPU = ("H200", 132, 60.0)
+
+
+def target_gpu(target: str) -> tuple[str, int, float]:
+    """The GPU `kdtree plan --target` plans for by default: sm_120's RTX PRO 6000, else the H200."""
+    return TARGET_GPUS.get(target, HOPPER_GPU)
 
 
 def plan_row(p: LaunchPlan, cost: float, picked: bool) -> dict:
@@ -49,7 +58,7 @@ def plan_report(
 def format_report(title: str, report: dict) -> str:
     """A fixed-width table of `plan_report`'s plans under a title line, the pick marked with '*'."""
     l2 = "L2 unknown" if report["l2_mib"] is None else f"L2 {report['l2_mib']:g} MiB"
-    over = ": over it, split plans cost L2_SPREAD_COST more" if report["over_l2"] else ""
+    over = f": over it, split plans cost {L2_SPREAD_COST:.0%} more" if report["over_l2"] else ""
     head = (
         f"{'':2s}{'body':18s} {'keys':7s} {'split':16s} {'grid':>4s} {'tiles':>5s} {'units':>6s} {'slots':>5s} "
         f"{'max blk':>7s} {'mean':>6s} {'segs':>4s} {'cost':>8s}"

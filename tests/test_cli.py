@@ -6,7 +6,7 @@ import pytest
 
 from kdtree.capture import load
 
-from conftest import SHIPPED, sha
+from conftest import ROOT, SHIPPED, sha
 
 
 def kdtree(*args, cwd=None, env=None):
@@ -176,7 +176,7 @@ def test_plan_shows_what_the_cost_model_weighs_and_its_pick():
         assert rows[0]["keys"] == ("visible" if p.visible_keys else "all") and doc[name]["over_l2"] == (name != str(path))
     assert (doc["kimi-tp8 mixed"]["plans"][0]["body"], doc["kimi-tp8 mixed"]["plans"][0]["split"]) == ("blocks64", "aligned")
     assert doc["dsv3-tp8 ddtree256 32k x2"]["plans"][0]["split"] == "one tile a block"
-    r = kdtree("plan", "--case", "mixed", "--target", "sm_120", "--sms", "188", "--l2-mib", "122")
+    r = kdtree("plan", "--case", "mixed", "--target", "sm_120")  # planned for the RTX PRO 6000 unless told
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith("kimi-tp8 mixed: sm_120, 188 SMs, L2 122 MiB; pool rows 81.") and "over it" not in lines[0]
@@ -304,3 +304,16 @@ def test_a_bad_kernel_target_in_the_environment_is_bad_input(tmp_path):
     r = kdtree("bench", "-o", tmp_path / "b", env=os.environ | {"KDTREE_KERNEL_TARGET": "sm_99"})
     assert r.returncode == 2 and "KDTREE_KERNEL_TARGET='sm_99'" in r.stderr and len(r.stderr.splitlines()) == 1
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("args", [["info", "data/captured_batches"], ["diff", "data/captured_batches", "--impl", "model"]])
+def test_a_reader_that_goes_away_is_not_a_bug(args):
+    """`kdtree diff ... | head -1`: stdout closes before kdtree writes; it ends quietly (exit 141, as a process
+    SIGPIPE ends), with no traceback and no request to report a bug."""
+    from kdtree.cli import PIPE_CLOSED_EXIT
+
+    p = subprocess.Popen([sys.executable, "-m", "kdtree", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader is gone before the first line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == PIPE_CLOSED_EXIT, err
+    assert err == "", err
