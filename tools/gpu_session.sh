@@ -42,6 +42,8 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/tests" PYTHONUNBUFFERED=
 # workers got through a third of the GPU suite in ten minutes, no faster than one process; docs/history/house.md)
 workers() { [ "${PYTEST_WORKERS:-0}" != 0 ] && python3 -c "import xdist" 2>/dev/null && echo "-n $PYTEST_WORKERS"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+# kdtree installed in place, for its `sglang.srt.plugins` entry point (SGLang finds `--attention-backend kdtree` so)
+install_plugin() { python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1; }
 step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n 25 "$OUT/$name.log"; echo "== $name rc=$rc ($((SECONDS - t0)) s)"
   return $rc; }
@@ -93,6 +95,7 @@ for w in "$@"; do
                case $w in gpu-suite|gpu-suite-kernel)
                  step gpu-suite-kernel "${GPU_SUITE_LIMIT:-580}" "${suite[@]}" tests/test_kernel_gpu.py -k "not test_fuzz$k" ;; esac
                case $w in gpu-suite|gpu-suite-rest)
+                 install_plugin  # SGLang's kit and the backend's tests find the backend by its entry point
                  step gpu-suite-rest "${GPU_SUITE_LIMIT:-580}" "${suite[@]}" tests --ignore tests/test_kernel_gpu.py \
                    --ignore tests/test_server_gpu.py ${GPU_SUITE_K:+-k "$GPU_SUITE_K"} ;; esac ;;
     variants) step variants 300 python3 tools/variants.py --json "$OUT/variants.json" ;;
@@ -101,12 +104,12 @@ for w in "$@"; do
     notebooks) [ -f .whl/nbsite312.tar.xz ] && mkdir -p /tmp/site && tar -xJf .whl/nbsite312.tar.xz -C /tmp/site \
                  && export PYTHONPATH="/tmp/site:$PYTHONPATH"  # the notebook stack for cp312, when carried (tools/pack_notebooks.sh)
                step notebooks 420 python3 -m pytest -q -rs tests/test_notebooks.py ;;
-    sglang) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1  # the plugin's entry point
+    sglang) install_plugin
             step sglang-imports 300 python3 tools/sglang_imports.py
             step test-sglang 540 python3 -m pytest -q -rs tests/test_sglang_gpu.py tests/test_serving_gpu.py ;;
     sglang-captures) step sglang-captures 300 python3 tools/sglang_captures.py "$OUT" ;;
     sglang-bench) step sglang-bench 420 python3 tools/sglang_bench.py "$OUT/bench-sglang.json" ;;
-    server-check) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1  # the plugin's entry point
+    server-check) install_plugin
                   if [ -f .whl/sgl_kernel312.tar.xz ]; then   # the real sgl_kernel (tools/pack_sgl_kernel.sh)
                     tar -xJf .whl/sgl_kernel312.tar.xz -C /tmp/site
                   else                                       # else the test stand-in, in every server process
@@ -128,12 +131,12 @@ for w in "$@"; do
           case $w in tune|tune-sm120-half) step tune-sm120-half 560 env KDTREE_KERNEL_TARGET=sm_120 "${tune[@]}" \
                                              -o "$OUT/tune-sm120-half" --mma-repeat 2 ;; esac ;;
     report) step report 600 python3 -m kdtree report -o "$OUT/report" ;;
-    bench-server) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1
+    bench-server) install_plugin
                   [ -f .whl/sgl_kernel312.tar.xz ] && tar -xJf .whl/sgl_kernel312.tar.xz -C /tmp/site
                   step bench-server "${BENCH_SERVER_LIMIT:-560}" python3 -m kdtree bench --server -o /tmp/bench-server ${BENCH_SERVER_ARGS:-}
                   cp /tmp/bench-server/bench-server.json /tmp/bench-server/bench-server.png "$OUT/" 2>/dev/null
                   (cd /tmp/bench-server && tar -cJf "$OUT/bench-server-logs.tar.xz" ./*.log 2>/dev/null) ;;
-    server-tests) python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1
+    server-tests) install_plugin
                   if [ -f .whl/sgl_kernel312.tar.xz ]; then tar -xJf .whl/sgl_kernel312.tar.xz -C /tmp/site
                   else export PYTHONPATH="$PWD/tests/sglang_harness/site:$PYTHONPATH" SGLANG_FORCE_FUSED_OP_BACKEND=torch \
                          SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1; fi
