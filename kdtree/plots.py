@@ -174,6 +174,8 @@ def sglang_bench_figure(result: dict) -> Figure:
 # ----- masks ---------------------------------------------------------------------------------------
 NONE, MIXED, ALL = 0, 1, 2  # block states of a downsampled mask: no cell visible, some, every one
 MASK_CMAP = ListedColormap(["#f2f2f2", "#f4a261", "#264653"])
+LEAKED, LOST = 3, 4  # a fault's flipped cells: visible where the tree hides the key, hidden where it shows it
+FAULT_CMAP = ListedColormap([*MASK_CMAP.colors, "#e63946", "#7b2cbf"])
 
 
 def server_bench_figure(pairs: list[dict], title: str | None = None) -> Figure:
@@ -263,7 +265,7 @@ def mask_figure(
         interpolation="nearest",
         extent=(c0 - 0.5, c0 + blocks.shape[1] * fc - 0.5, r0 + blocks.shape[0] * fr - 0.5, r0 - 0.5),
     )
-    if c0 <= prefix_len <= c1:
+    if c0 < prefix_len <= c1:
         ax.axvline(prefix_len - 0.5, color="#e76f51", lw=1.5, label=f"draft columns start at prefix_len = {prefix_len}")
     if selected is not None and r0 <= selected < r1:
         ax.axhspan(selected - 0.5, selected + 0.5, fill=False, ec="#e63946", lw=1.5, label=f"node {selected}")
@@ -271,19 +273,23 @@ def mask_figure(
         layout = f"rows read at stride {stride}, not prefix_len + N = {prefix_len} + {n} = {true_stride}"
     else:
         layout = f"row stride prefix_len + N = {prefix_len} + {n} = {true_stride}"
+    if c0 == prefix_len:  # the view starts at the draft columns: the axis says so (a line there would be the frame)
+        layout = f"draft columns from prefix_len = {prefix_len}; " + layout
     ax.set_xlabel(f"key column ({layout})" + (f"; {fc} columns a pixel" if fc > 1 else ""))
     ax.set_ylabel("draft node (row)" + (f"; {fr} a pixel" if fr > 1 else ""))
     ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_title(title or "custom mask")
-    handles = [Patch(color=MASK_CMAP(i), label=lab) for i, lab in ((ALL, "visible"), (MIXED, "mixed block"), (NONE, "hidden"))]
+    states = ((ALL, "visible"), (MIXED, "mixed block"), (NONE, "hidden"))
+    handles = [Patch(color=MASK_CMAP(i), label=lab) for i, lab in states if (blocks == i).any()]
     ax.legend(handles=handles + ax.get_legend_handles_labels()[0], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
 
 def mask_fault_figure(correct: np.ndarray, faulted: np.ndarray, prefix_len: int, stride_used: int) -> Figure:
     """A request's draft block as the kernel must read it (rows at stride prefix_len + N) beside the same block
-    read at `stride_used`, with every cell the fault flips marked."""
+    read at `stride_used`, every cell the fault flips in a colour of its own: visible where it must be hidden (a
+    key that leaks in) or hidden where it must be visible (a key lost)."""
     correct, faulted = np.asarray(correct, dtype=bool), np.asarray(faulted, dtype=bool)
     n = correct.shape[0]
     flipped = correct != faulted
@@ -294,20 +300,26 @@ def mask_fault_figure(correct: np.ndarray, faulted: np.ndarray, prefix_len: int,
         f"correct: rows at stride prefix_len + N = {prefix_len} + {n} = {prefix_len + n}",
         f"faulted: rows at stride {stride_used}; {int(flipped.sum())} of {flipped.size} cells flipped",
     )
-    for ax, block, t in zip(axes, (correct, faulted), titles):
-        ax.imshow(np.where(block, ALL, NONE), cmap=MASK_CMAP, vmin=0, vmax=2, interpolation="nearest",
+    cells = (
+        np.where(correct, ALL, NONE),
+        np.select([flipped & faulted, flipped], [LEAKED, LOST], np.where(faulted, ALL, NONE)),
+    )
+    for ax, block, t in zip(axes, cells, titles):
+        ax.imshow(block, cmap=FAULT_CMAP, vmin=0, vmax=len(FAULT_CMAP.colors) - 1, interpolation="nearest",
                   extent=(cols[0] - 0.5, cols[-1] + 0.5, n - 0.5, -0.5))  # fmt: skip
         ax.set_title(t, fontsize=10)
         ax.set_xlabel("key column (the draft columns of each row)")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    ys, xs = np.nonzero(flipped)
-    axes[1].scatter(cols[0] + xs, ys, marker="x", s=max(4, 900 / n), color="#e63946", lw=1, label="flipped cell")
     axes[0].set_ylabel("draft node (row)")
     axes[0].yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    handles = [Patch(color=MASK_CMAP(ALL), label="visible"), Patch(color=MASK_CMAP(NONE), label="hidden")]
-    axes[1].legend(
-        handles=handles + axes[1].get_legend_handles_labels()[0], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0)
+    states = (
+        (ALL, "visible"),
+        (NONE, "hidden"),
+        (LEAKED, "flipped: visible, must be hidden"),
+        (LOST, "flipped: hidden, must be visible"),
     )
+    handles = [Patch(color=FAULT_CMAP(i), label=lab) for i, lab in states]
+    axes[1].legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
 
@@ -546,7 +558,10 @@ def error_map_figure(
     for b, start in enumerate(request_starts or []):
         for a in (ax, axd):
             a.axhline(start - 0.5, color="#2ec4b6", lw=1.0)
-        ax.text(row_rel.shape[1] - 0.5, start - 0.5, f" req {b}", color="#2ec4b6", fontsize=8, va="top", ha="right")
+        ax.annotate(  # below its line, inside the right edge, on white: legible over any colour of the map
+            f"req {b}", xy=(1, start - 0.5), xycoords=("axes fraction", "data"), xytext=(-3, -3), textcoords="offset points",
+            ha="right", va="top", fontsize=8, bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "#2ec4b6", "lw": 0.8},
+        )  # fmt: skip
     return fig
 
 

@@ -34,7 +34,7 @@ Image(plots.to_png(plots.requests_figure(summary)))
 # `kv_indices` holds the prefix slots only; the draft tokens' keys live at `out_cache_loc`.
 
 # %%
-b = 0
+b = int(cap.prefix_lens.argmax())  # the request with the longest prefix (a request may have none)
 print("prefix slots (kv_indices slice):", cap.prefix_slots(b)[:16].tolist(), "...")
 draft = cap.draft_slots(b).tolist()
 print(f"draft slots (out_cache_loc slice): {len(draft)} slots:", draft[:8], "..." if len(draft) > 8 else "")

@@ -60,7 +60,7 @@ print("last keys of the combined list:", step.combined_slots[-(step.num_draft + 
 
 # %%
 print(f"mask_indptr[{b}] = {step.mask_start}, row stride = prefix_len + N = {step.prefix_len} + {step.num_draft} = {step.mask_row_stride}")
-Image(plots.to_png(plots.mask_figure(cap.mask_rows(b).numpy(), step.prefix_len, zoom=(0, step.num_draft, step.prefix_len - 40, step.mask_row_stride), title="request b's rows, the end of the prefix and the draft columns")))
+Image(plots.to_png(plots.mask_figure(cap.mask_rows(b).numpy(), step.prefix_len, zoom=(0, step.num_draft, step.prefix_len - 40, step.mask_row_stride), title=f"request {b}'s rows, the end of the prefix and the draft columns")))
 
 # %% [markdown]
 # **5. The extracted tree block**, packed to bits per row (`tree_mask`), unpacked here: every node sees itself
@@ -69,7 +69,7 @@ Image(plots.to_png(plots.mask_figure(cap.mask_rows(b).numpy(), step.prefix_len, 
 # %%
 block = unpack_bits(args.tree_mask[int(cap.qo_indptr[b]) : int(cap.qo_indptr[b + 1])], step.num_draft)
 assert (block == cap.tree_block(b)).all()
-Image(plots.to_png(plots.mask_figure(block.numpy(), step.prefix_len, first_col=step.prefix_len, title="request b's draft block, unpacked from tree_mask bits")))
+Image(plots.to_png(plots.mask_figure(block.numpy(), step.prefix_len, first_col=step.prefix_len, title=f"request {b}'s draft block, unpacked from tree_mask bits")))
 
 # %% [markdown]
 # ## The two historical bugs

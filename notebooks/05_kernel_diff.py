@@ -10,11 +10,12 @@
 
 # %% [markdown]
 # # Kernel diff
-# Compile `kernels/verify_mla.cu` (resources for sm_120 and the present GPU), run it on captures and diff it
+# Compile `kernels/verify_mla.cu` (registers, spills, shared memory), run it on captures and diff it
 # against the fp64 oracle. Edit the `.cu` (or a header it includes: each segment body has its own
 # `verify_mla_body_*.cuh`) and re-run: the change is picked up.
-# Without a GPU the kernel cannot run: the notebook says so, compile-checks sm_120/sm_90 and diffs the
-# kernel's torch model instead (what `kdtree diff` runs there too: the kernel's marshaled arguments, its split
+# The compile check builds every configuration sm_120 and sm_90 may run (and the present GPU's), as
+# `kdtree compile` does. Without a GPU the kernel cannot run: the notebook says so and diffs the kernel's torch
+# model instead (what `kdtree diff` runs there too: the kernel's marshaled arguments, its split
 # and merge, in torch).
 
 # %%
@@ -24,19 +25,21 @@ import kdtree
 from kdtree import plots
 from kdtree.diff import DEFAULT_TOLERANCE
 from kdtree.impls import default_impl, diff_capture, gpu_available
-from kdtree.kernel import KernelConfig, device_arch, nvrtc_arch, nvrtc_compile, parse_ptxas
+from kdtree.kernel import KernelConfig, compile_report, device_arch
 from kdtree.widgets import CapturePicker
 
 GPU = gpu_available()
 impl = default_impl()  # "cuda" with a GPU and CuPy, else "model": as `kdtree diff`
 print(f"GPU: {device_arch()}: the CUDA kernel runs" if GPU else "GPU: none here: the kernel's torch model runs instead (impl=model)")
-targets = ["sm_120"] + ([device_arch()] if GPU and device_arch() != "sm_120" else ["sm_90"])
-for arch in targets:
-    config = KernelConfig.for_arch(arch)  # on Hopper: the wgmma segment, compiled as sm_90a
-    _, log = nvrtc_compile(arch, config)  # a compile error raises KernelCompileError quoting the offending lines
-    print(f"--- NVRTC log, {nvrtc_arch(arch, config)} ---\n{log}")
-    for r in parse_ptxas(log, nvrtc_arch(arch, config), config):
-        print(r.line())
+targets = ["sm_120", "sm_90"] + ([device_arch()] if GPU and device_arch() not in ("sm_120", "sm_90") else [])
+reports = [
+    r
+    for arch in targets
+    for config in KernelConfig.candidates(arch)  # every configuration the target may run (Hopper's as sm_90a)
+    for r in compile_report(arch, config)  # a compile error raises KernelCompileError quoting the offending lines
+]
+print("\n".join(r.line() for r in reports))
+print("all fit: no spills, shared memory within each target" if all(r.ok for r in reports) else "NOT OK: see the lines above")
 
 # %%
 picker = CapturePicker("dsv3-3layers.safetensors")  # or a capture file or directory of yours (a directory: all of it)

@@ -201,7 +201,7 @@ def test_the_kernel_notebook_sees_an_edit_to_the_kernel(lab):
     with chromium_page("kernel-notebook") as page:
         open_and_run_all(page, url, "05_kernel_diff.ipynb")
         page.locator(".jp-OutputArea-output", has_text="registers HEAD -> edited").wait_for(timeout=240_000)
-        cell = page.locator(".jp-Notebook .jp-CodeCell", has_text="nvrtc_compile(arch, config)")
+        cell = page.locator(".jp-Notebook .jp-CodeCell", has_text="compile_report(arch, config)")
         out = cell.locator(".jp-OutputArea-output")
 
         def rerun(expect: str) -> str:

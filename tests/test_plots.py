@@ -115,7 +115,10 @@ def test_the_draft_block_is_labelled_with_the_requests_real_prefix_and_stride():
     lo, hi = ax.get_xlim()
     assert (lo, hi) == (p - 0.5, p + n - 0.5)  # the draft columns where they are in the row
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert f"draft columns start at prefix_len = {p}" in labels and "node 2" in labels
+    assert f"draft columns from prefix_len = {p}; " in ax.get_xlabel() and "node 2" in labels
+    assert "mixed block" not in labels  # one pixel a cell: no block is mixed, so the legend lists none
+    whole = plots.mask_figure(cap.mask_rows(b).numpy(), p, zoom=(0, n, p - 8, p + n))  # the prefix's end too
+    assert f"draft columns start at prefix_len = {p}" in [t.get_text() for t in whole.axes[0].get_legend().get_texts()]
     assert ax.get_legend().get_bbox_to_anchor().x0 > ax.get_window_extent().x1 - 1  # outside the data
     wrong = plots.mask_figure(cap.tree_block(b).numpy(), p, first_col=p, stride=p)
     assert f"rows read at stride {p}, not prefix_len + N = {p} + {n} = {p + n}" in wrong.axes[0].get_xlabel()
@@ -133,8 +136,14 @@ def test_the_fault_figure_marks_exactly_the_flipped_cells():
     left, right = fig.axes[:2]
     assert left.get_title().endswith(f"= {good.prefix_len} + {good.num_draft} = {good.mask_row_stride}")
     assert f"stride {bad.mask_row_stride}; {flipped} of" in right.get_title() and flipped > 0
-    (marks,) = right.collections
-    assert len(marks.get_offsets()) == flipped
+    shown = np.asarray(right.images[0].get_array())
+    leaked = (bad.tree_block & ~good.tree_block).numpy()
+    assert ((shown == plots.LEAKED) == leaked).all() and (
+        (shown == plots.LOST) == (good.tree_block & ~bad.tree_block).numpy()
+    ).all()
+    assert (shown >= plots.LEAKED).sum() == flipped and np.isin(
+        np.asarray(left.images[0].get_array()), (plots.ALL, plots.NONE)
+    ).all()
 
 
 def test_tree_depth_ticks_are_whole_numbers():
