@@ -36,11 +36,11 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check kdtree tests tools experiments
 	$(BIN)/clang-format --style=file --dry-run --Werror kernels/*.cu kernels/*.cuh
 
-# On a machine with a CUDA GPU, torch, CuPy and triton: .venv's Python where `make` made one (with the cuda13 or
-# cuda12 extra installed), else python3 (a GPU machine's own environment). Without a GPU the GPU tests skip with a
+# On a machine with a CUDA GPU, torch, CuPy and triton: .venv's Python where `make` made one and the cuda13 or
+# cuda12 extra put CuPy in it, else python3 (a GPU machine's own environment). Without a GPU the GPU tests skip with a
 # reason. test-gpu: every test marked gpu (the kernel, the plan on the device, the serving path, SGLang's kit, real
 # servers, A/B); the log is kept in test-gpu.log. PYTEST_ARGS adds to pytest's (say `-k fuzz`).
-GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_PYTHON ?= $(shell $(BIN)/python -c "import cupy" 2>/dev/null && echo $(BIN)/python || echo python3)
 test-gpu:
 	$(GPU_PYTHON) -m pytest -q -rs -m gpu tests $(PYTEST_ARGS) 2>&1 | tee test-gpu.log; exit $${PIPESTATUS[0]}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import sys
 import traceback
 from functools import wraps
@@ -39,30 +40,61 @@ PIPE_CLOSED_EXIT = 141  # the reader of stdout went away (`| head`): what a shel
 _CLI_EXITS = (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException)
 
 
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe its reader has closed (`| head` after its lines): poll reports an error there."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or stdout is no file
+        return False
+
+
+def _flush_stdout() -> bool:
+    """Flush stdout; where its reader has gone, point it at /dev/null (no later flush fails) and return False. A
+    broken pipe anywhere else is not this one: it propagates."""
+    try:
+        sys.stdout.flush()
+        return True
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        _silence_stdout()
+        return False
+
+
+def _silence_stdout() -> None:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+
+
 def exit_codes(fn):
     """Bad input (BadInput) -> one line on stderr and exit 2; any other exception is a bug -> its traceback, a
     line asking to report it, exit 3. An IndexError or KeyError is a bug too: bad input is checked and raised as
-    BadInput where it is read, never inferred from an exception's type. A closed stdout is neither: exit 141, quiet."""
+    BadInput where it is read, never inferred from an exception's type. Stdout closed by its reader (`| head`) is
+    neither: exit 141, quietly, unless a bad input or a bug was already on its way out."""
 
     @wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
-        except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more can be written there
-            raise typer.Exit(PIPE_CLOSED_EXIT) from None
+            result = fn(*args, **kwargs)
         except _CLI_EXITS:
+            if not _flush_stdout():
+                raise typer.Exit(PIPE_CLOSED_EXIT) from None
             raise
         except BadInput as e:
+            _flush_stdout()
             typer.echo(f"kdtree: error: {e}", err=True)
             raise typer.Exit(BAD_INPUT_EXIT) from None
-        except Exception:
+        except Exception as e:
+            if isinstance(e, BrokenPipeError) and _stdout_gone():  # a write found stdout closed by its reader
+                _silence_stdout()
+                raise typer.Exit(PIPE_CLOSED_EXIT) from None
             traceback.print_exc()
             typer.echo(BUG_HINT, err=True)
             raise typer.Exit(BUG_EXIT) from None
+        if not _flush_stdout():
+            raise typer.Exit(PIPE_CLOSED_EXIT)
+        return result
 
     return wrapper
 
@@ -335,7 +367,8 @@ def plan_(
 
     if target not in TARGET_NAMES:
         raise BadInput(f"--target: unknown target {target!r}; expected one of {' '.join(TARGET_NAMES)}")
-    _, default_sms, default_l2 = target_gpu(target)
+    gpu, default_sms, default_l2 = target_gpu(target)
+    title = f"{target} (as an {gpu})" if sms is None and l2_mib is None else target  # say which part was assumed
     sms, l2_mib = default_sms if sms is None else sms, default_l2 if l2_mib is None else l2_mib
     if sms < 1 or not math.isfinite(l2_mib) or l2_mib < 0:
         raise BadInput(f"--sms must be at least 1 and --l2-mib finite and not negative (got {sms}, {l2_mib})")
@@ -359,7 +392,7 @@ def plan_(
     if as_json:
         typer.echo(json.dumps(reports, indent=1))
     else:
-        typer.echo("\n\n".join(format_report(f"{r['batch']}: {target}", r) for r in reports))
+        typer.echo("\n\n".join(format_report(f"{r['batch']}: {title}", r) for r in reports))
 
 
 @command()

@@ -1,5 +1,5 @@
-"""What a result was measured on: the GPU, its driver and the software, recorded in every report kdtree writes
-(`kdtree report`, `kdtree server-check`, `kdtree bench --server`), so a number never travels without its machine."""
+"""What a result was measured on: the GPU, its driver and the software, recorded by `kdtree report`, `kdtree
+server-check` and `kdtree bench --server`, so their numbers never travel without their machine."""
 
 from __future__ import annotations
 

@@ -10,12 +10,12 @@ from kdtree.marshal import VerifyArgs
 
 # the GPU a target is planned for unless told otherwise: (name, SMs, L2 MiB) of its part of record
 TARGET_GPUS = {"sm_120": ("RTX PRO 6000", 188, 122.0)}
-HOPPER_GPU = ("H200", 132, 60.0)
+DEFAULT_GPU = ("H200", 132, 60.0)
 
 
 def target_gpu(target: str) -> tuple[str, int, float]:
-    """The GPU `kdtree plan --target` plans for by default: sm_120's RTX PRO 6000, else the H200."""
-    return TARGET_GPUS.get(target, HOPPER_GPU)
+    """The GPU `kdtree plan --target` plans for by default: sm_120's RTX PRO 6000, any other target's the H200."""
+    return TARGET_GPUS.get(target, DEFAULT_GPU)
 
 
 def plan_row(p: LaunchPlan, cost: float, picked: bool) -> dict:

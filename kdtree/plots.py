@@ -265,7 +265,7 @@ def mask_figure(
         interpolation="nearest",
         extent=(c0 - 0.5, c0 + blocks.shape[1] * fc - 0.5, r0 + blocks.shape[0] * fr - 0.5, r0 - 0.5),
     )
-    if c0 < prefix_len <= c1:
+    if c0 < prefix_len < c1:  # strictly inside the view (c1 is past its last column)
         ax.axvline(prefix_len - 0.5, color="#e76f51", lw=1.5, label=f"draft columns start at prefix_len = {prefix_len}")
     if selected is not None and r0 <= selected < r1:
         ax.axhspan(selected - 0.5, selected + 0.5, fill=False, ec="#e63946", lw=1.5, label=f"node {selected}")
@@ -318,7 +318,7 @@ def mask_fault_figure(correct: np.ndarray, faulted: np.ndarray, prefix_len: int,
         (LEAKED, "flipped: visible, must be hidden"),
         (LOST, "flipped: hidden, must be visible"),
     )
-    handles = [Patch(color=FAULT_CMAP(i), label=lab) for i, lab in states]
+    handles = [Patch(color=FAULT_CMAP(i), label=lab) for i, lab in states if any((c == i).any() for c in cells)]
     axes[1].legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 

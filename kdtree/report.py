@@ -19,7 +19,7 @@ from typing import Callable
 
 from kdtree.environment import describe
 
-FORMAT = "kdtree-report/1"
+FORMAT = "kdtree-report/2"  # 2: the environment as kdtree.environment records it
 
 
 def selfcheck_part() -> dict:
@@ -89,7 +89,7 @@ def run(out_dir: Path, *, parts: dict[str, Callable[[], dict]] | None = None, sa
 
     if (bench and bench.get("cases")) or tuned_rows(tune):
         env = report["parts"].get("environment", {}).get("result") or {}
-        title = f"kdtree report: {env.get('gpu', 'GPU unknown')} ({env.get('capability', '?')}), {report['started']}"
+        title = f"kdtree report: {env.get('gpu') or 'GPU unknown'} ({env.get('capability', '?')}), {report['started']}"
         report_figure(bench, tune, title, margin=PICK_MARGIN).savefig(out_dir / "report.png", dpi=110, bbox_inches="tight")
     return report
 
@@ -100,7 +100,7 @@ def summary(report: dict) -> str:
     lines = ["# kdtree report", ""]
     env = parts.get("environment", {}).get("result", {})
     if env:
-        lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in env.items()] + [""]
+        lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in env.items() if v not in (None, {})] + [""]
     for name, part in parts.items():
         head = f"## {name} ({part['seconds']} s)"
         if not part["ok"]:

@@ -179,7 +179,8 @@ def test_plan_shows_what_the_cost_model_weighs_and_its_pick():
     r = kdtree("plan", "--case", "mixed", "--target", "sm_120")  # planned for the RTX PRO 6000 unless told
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("kimi-tp8 mixed: sm_120, 188 SMs, L2 122 MiB; pool rows 81.") and "over it" not in lines[0]
+    assert lines[0].startswith("kimi-tp8 mixed: sm_120 (as an RTX PRO 6000), 188 SMs, L2 122 MiB; pool rows 81.")
+    assert "over it" not in lines[0]
     assert lines[2].startswith("* mma32 ") and all(l.startswith(("* mma32 ", "  mma32 ")) for l in lines[2:] if l.strip())
 
 
@@ -272,6 +273,7 @@ main()
         ("kdtree.plan_report", "plan_report", "IndexError", ["plan", SHIPPED[0]]),
         ("kdtree.impls", "diff_capture", "ValueError", ["diff", SHIPPED[0]]),
         ("kdtree.synth", "synthesize", "TypeError", ["synth", "-o", "{tmp}/x.safetensors"]),
+        ("kdtree.info", "summarize", "BrokenPipeError", ["info", SHIPPED[0]]),  # not stdout's: a bug as any other
     ],
 )
 def test_a_bug_shows_its_traceback_and_asks_to_be_reported(tmp_path, module, name, exc, args):

@@ -141,6 +141,10 @@ def test_the_fault_figure_marks_exactly_the_flipped_cells():
     assert ((shown == plots.LEAKED) == leaked).all() and (
         (shown == plots.LOST) == (good.tree_block & ~bad.tree_block).numpy()
     ).all()
+    labels = [t.get_text() for t in right.get_legend().get_texts()]  # a kind of flip is listed where there is one
+    assert ("flipped: visible, must be hidden" in labels) == leaked.any() and ("flipped: hidden, must be visible" in labels) == (
+        shown == plots.LOST
+    ).any()
     assert (shown >= plots.LEAKED).sum() == flipped and np.isin(
         np.asarray(left.images[0].get_array()), (plots.ALL, plots.NONE)
     ).all()

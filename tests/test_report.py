@@ -35,7 +35,7 @@ def test_a_report_records_every_part_and_a_failed_one_does_not_stop_the_rest(tmp
     parts = dict(report.PARTS, selfcheck=_selfcheck_stand_in, bench=_bench_fails, tune=_tune_stand_in)
     r = report.run(tmp_path / "rep", parts=parts)
     saved = json.loads((tmp_path / "rep" / "report.json").read_text())
-    assert saved["format"] == "kdtree-report/1" and list(saved["parts"]) == list(report.PARTS)
+    assert saved["format"] == "kdtree-report/2" and list(saved["parts"]) == list(report.PARTS)
     assert saved["parts"]["environment"]["result"]["torch"] and saved["parts"]["compile"]["result"]["target"] == "sm_120"
     assert saved["parts"]["compile"]["ok"] and any("verify_mla_fwd" in x for x in saved["parts"]["compile"]["result"]["lines"])
     bench = saved["parts"]["bench"]

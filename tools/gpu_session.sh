@@ -43,7 +43,8 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/tests" PYTHONUNBUFFERED=
 workers() { [ "${PYTEST_WORKERS:-0}" != 0 ] && python3 -c "import xdist" 2>/dev/null && echo "-n $PYTEST_WORKERS"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 # kdtree installed in place, for its `sglang.srt.plugins` entry point (SGLang finds `--attention-backend kdtree` so)
-install_plugin() { python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip-e.log" 2>&1; }
+install_plugin() { python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OUT/pip-e.log" 2>&1 \
+  || echo "install_plugin: pip install -e . failed ($OUT/pip-e.log): SGLang will not find --attention-backend kdtree"; }
 step() { local name=$1 limit=$2; shift 2; echo "== $name"; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n 25 "$OUT/$name.log"; echo "== $name rc=$rc ($((SECONDS - t0)) s)"
   return $rc; }
