@@ -83,7 +83,7 @@ class DDTreeExplorer:
             max=64.0,
             value=1.0,
             step=1.0,
-            tooltip="whole mask: show the last 1/zoom of the columns (the draft end)",
+            tooltip="whole mask: the last 1/zoom of the columns (the draft end); draft block: N/zoom nodes around the selected one",
         )
         self.node = W.IntSlider(description="node", min=0, max=0)
         self.add = W.Text(
