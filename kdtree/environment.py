@@ -48,7 +48,8 @@ def describe() -> dict:
             "sms": p.multi_processor_count,
             "memory_gib": round(p.total_memory / 2**30, 1),
             "l2_bytes": getattr(p, "L2_cache_size", None),
-            "driver": driver_version(),
         }
+        driver = driver_version()  # (where CuPy cannot ask the driver, the selfcheck's key names torch's CUDA instead)
+        env["driver"] = driver if driver.startswith("CUDA driver") else None
     env["nccl_env"] = {k: os.environ[k] for k in NCCL_ENV if k in os.environ}
     return env
