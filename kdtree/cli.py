@@ -41,30 +41,28 @@ _CLI_EXITS = (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.A
 
 
 def _stdout_gone() -> bool:
-    """Whether stdout is a pipe its reader has closed (`| head` after its lines): poll reports an error there."""
+    """Whether stdout is a pipe its reader has closed (`| head` after its lines): poll reports an error there. If
+    so, stdout is pointed at /dev/null, so that what is still buffered goes nowhere and no later flush fails."""
     try:
         poll = select.poll()
         poll.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poll.poll(0))
+        gone = any(events & select.POLLERR for _, events in poll.poll(0))
     except (AttributeError, OSError, ValueError):  # no poll here, or stdout is no file
         return False
+    if gone:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return gone
 
 
 def _flush_stdout() -> bool:
-    """Flush stdout; where its reader has gone, point it at /dev/null (no later flush fails) and return False. A
-    broken pipe anywhere else is not this one: it propagates."""
+    """Flush stdout; False where its reader has gone. A broken pipe anywhere else is not this one: it propagates."""
     try:
         sys.stdout.flush()
         return True
     except BrokenPipeError:
         if not _stdout_gone():
             raise
-        _silence_stdout()
         return False
-
-
-def _silence_stdout() -> None:
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
 
 
 def exit_codes(fn):
@@ -87,7 +85,6 @@ def exit_codes(fn):
             raise typer.Exit(BAD_INPUT_EXIT) from None
         except Exception as e:
             if isinstance(e, BrokenPipeError) and _stdout_gone():  # a write found stdout closed by its reader
-                _silence_stdout()
                 raise typer.Exit(PIPE_CLOSED_EXIT) from None
             traceback.print_exc()
             typer.echo(BUG_HINT, err=True)

@@ -137,16 +137,18 @@ def summary(report: dict) -> str:
                 "",
             ]
         elif name == "tune":
-            s = r["summary"]
+            from kdtree.tune import PICK_MARGIN
+
+            s, margin = r["summary"], f"{100 * PICK_MARGIN:g} %"
             lines += [head, ""]
             within, n = s.get("within_margin", {}), len(s.get("rows", []))
             lines += [
                 f"- {k} picks over the fastest plan: geomean {s[k]['geomean']:.3f}, worst {s[k]['worst']:.3f}"
-                + (f"; within 3 % on {within[k]} of {n} batches" if k in within else "")
+                + (f"; within {margin} on {within[k]} of {n} batches" if k in within else "")
                 for k in ("shipped", "tuned")
                 if s.get(k, {}).get("geomean") is not None
             ]
             if r.get("picks"):
-                lines.append(f"- measured picks for {len(r['picks'])} shape class(es) the fit misses by over 3 %")
+                lines.append(f"- measured picks for {len(r['picks'])} shape class(es) the fit misses by over {margin}")
             lines.append("")
     return "\n".join(lines)
