@@ -16,7 +16,6 @@ from functools import wraps
 from pathlib import Path
 from typing import List, Optional
 
-import click
 import typer
 from rich.console import Console
 from rich.progress import Progress
@@ -36,8 +35,9 @@ BAD_INPUT_EXIT = 2
 BUG_EXIT = 3
 BUG_HINT = "kdtree: this is a bug; please report it with the traceback above"
 PIPE_CLOSED_EXIT = 141  # the reader of stdout went away (`| head`): what a shell reports for a process SIGPIPE ended
-# how typer and click end a command on purpose (an exit code, a usage error, an abort): not errors of kdtree's
-_CLI_EXITS = (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException)
+# how typer ends a command on purpose (an exit code, a usage error, an abort): not errors of kdtree's. Typer
+# (0.29 on) is built on no click: kdtree imports none, so an install without click works.
+_CLI_EXITS = (typer.Exit, typer.Abort, typer.TyperException)
 
 
 def _stdout_gone() -> bool:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,15 @@ def tiny():
     return small()
 
 
+def pytest_configure(config):
+    """KDTREE_TEST_NVRTC=path/libnvrtc.so.N: every NVRTC test compiles with that library (say the NVRTC torch's CUDA
+    build pins, beside the newest that the nvrtc extra installs)."""
+    if path := os.environ.get("KDTREE_TEST_NVRTC"):
+        from kdtree.kernel.nvrtc import use_nvrtc_library
+
+        use_nvrtc_library(Path(path))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
@@ -92,3 +102,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter):
+    """The skipped tests, counted by why, after pytest's own summary and before its closing line: a class of tests
+    that did not run (no GPU, no browser, no NVRTC) is said, not left among hundreds of short lines."""
+    yield
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.section("kdtree: what did not run here")
+        for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            terminalreporter.line(f"{n:5d} skipped: {reason}")

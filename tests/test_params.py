@@ -1,6 +1,8 @@
 """The host-device contract of verify_mla_fwd and verify_mla_merge, without a GPU: the host's parameter structs
-(kdtree.kernel.launch.FwdParams, MergeParams) against the device's (kernels/verify_mla_params.cuh), checked by
-NVRTC compiling static_asserts of every size and offset the host has; and the kernels' parameter lists are those
+(kdtree.kernel.launch.FwdParams, MergeParams) against the device's (kernels/verify_mla_params.cuh), read from the
+PTX of a probe kernel that NVRTC compiles with the kernels' header: each struct's size and every member's offset
+and size, which NVRTC folds to constants (no GPU runs it). `offsetof` is no option: NVRTC 13.0 (the one torch's
+CUDA build pins) has neither `__builtin_offsetof` nor a <cstddef>. And the kernels' parameter lists are those
 structs' (the lists in the header are expanded into both)."""
 
 import ctypes
@@ -18,21 +20,21 @@ pytest.importorskip("cuda.bindings", reason="NVRTC not installed (pip install -e
 STRUCTS = {"vmla::FwdParams": FwdParams, "vmla::MergeParams": MergeParams}
 
 
-def probe_source(structs: dict[str, type[ctypes.Structure]]) -> str:
-    """A translation unit that compiles only where each device struct has the host struct's size, and every host
-    member at the host's offset and of its size."""
-    lines = ['#include "verify_mla_params.cuh"']
-    for device, host in structs.items():
-        lines.append(f'static_assert(sizeof({device}) == {ctypes.sizeof(host)}, "sizeof {device}");')
-        for name, _ in host._fields_:
-            field = getattr(host, name)
-            lines.append(f'static_assert(__builtin_offsetof({device}, {name}) == {field.offset}, "offset of {device}::{name}");')
-            lines.append(f'static_assert(sizeof({device}::{name}) == {field.size}, "size of {device}::{name}");')
-    return "\n".join(lines) + "\n"
+def probe_source(device: str, host: type[ctypes.Structure]) -> str:
+    """A kernel that stores, through a volatile pointer (one store each, never merged), sizeof(`device`) and then
+    the offset and size of each of the host's members in the device struct."""
+    values = ["sizeof(p)"]
+    for name, _ in host._fields_:
+        values += [f"(const char*)&p.{name} - (const char*)&p", f"sizeof(p.{name})"]
+    stores = "\n".join(f"  out[{i}] = {v};" for i, v in enumerate(values))
+    return (
+        '#include "verify_mla_params.cuh"\n'
+        f'extern "C" __global__ void layout_probe({device} p, volatile unsigned long long* out) {{\n{stores}\n}}\n'
+    )
 
 
-def nvrtc_compiles(source: str) -> tuple[bool, str]:
-    """(NVRTC compiled `source` with kernels/ on the include path, its log)."""
+def nvrtc_ptx_of(source: str) -> tuple[str | None, str]:
+    """(the PTX of `source` compiled by NVRTC with kernels/ on the include path, or None; NVRTC's log)."""
     from cuda.bindings import nvrtc
 
     _, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"params_probe.cu", 0, [], [])
@@ -42,19 +44,56 @@ def nvrtc_compiles(source: str) -> tuple[bool, str]:
         _, n = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * n
         nvrtc.nvrtcGetProgramLog(prog, log)
+        ptx = None
+        if res == nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, n = nvrtc.nvrtcGetPTXSize(prog)
+            buf = b" " * n
+            nvrtc.nvrtcGetPTX(prog, buf)
+            ptx = buf.rstrip(b"\0").decode()
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    return res == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+    return ptx, log.decode(errors="replace")
+
+
+def stored_constants(ptx: str) -> list[int]:
+    """The constants the probe stores, in the order of `out`: each 64-bit store's immediate, or the immediate
+    last moved into its register. AssertionError (with the PTX) for a store of anything else."""
+    regs: dict[str, int] = {}
+    out: dict[int, int] = {}
+    for line in ptx.splitlines():
+        if m := re.search(r"mov\.[bu]64\s+(%rd\d+),\s*(\d+);", line):
+            regs[m.group(1)] = int(m.group(2))
+        elif m := re.search(r"st\.volatile\.global\.[bu]64\s+\[%rd\d+(?:\+(\d+))?\],\s*(%rd\d+|\d+);", line):
+            value = m.group(2)
+            assert value.isdigit() or value in regs, f"probe stores {value}, not a constant:\n{ptx}"
+            out[int(m.group(1) or 0) // 8] = int(value) if value.isdigit() else regs[value]
+    assert sorted(out) == list(range(len(out))), f"probe's stores are not out[0..n):\n{ptx}"
+    return [out[i] for i in range(len(out))]
+
+
+def layout_mismatches(device: str, host: type[ctypes.Structure]) -> list[str]:
+    """Where `device`'s layout (size, each member's offset and size) is not `host`'s: empty when they agree."""
+    ptx, log = nvrtc_ptx_of(probe_source(device, host))
+    assert ptx is not None, log
+    size, *members = stored_constants(ptx)
+    problems = [f"sizeof {device}: {size}, host {ctypes.sizeof(host)}"] if size != ctypes.sizeof(host) else []
+    for (name, _), offset, nbytes in zip(host._fields_, members[0::2], members[1::2]):
+        field = getattr(host, name)
+        if offset != field.offset:
+            problems.append(f"offset of {device}::{name}: {offset}, host {field.offset}")
+        if nbytes != field.size:
+            problems.append(f"size of {device}::{name}: {nbytes}, host {field.size}")
+    return problems
 
 
 def test_the_host_structs_are_the_device_structs():
-    ok, log = nvrtc_compiles(probe_source(STRUCTS))
-    assert ok, log
+    for device, host in STRUCTS.items():
+        assert layout_mismatches(device, host) == [], device
     assert ctypes.sizeof(FwdParams) == 168 and ctypes.sizeof(MergeParams) == 40
 
 
 def test_a_wrong_offset_fails_the_probe():
-    """The probe is a check: a host struct with two members swapped, one missing or one too wide does not compile."""
+    """The probe is a check: a host struct with two members swapped, one missing or one too wide is refused."""
 
     class Swapped(ctypes.Structure):
         _fields_ = [FwdParams._fields_[i] for i in (0, 1, 2, 3, 4, 5, 6, 8, 7, *range(9, len(FwdParams._fields_)))]
@@ -65,12 +104,9 @@ def test_a_wrong_offset_fails_the_probe():
     class Wide(ctypes.Structure):
         _fields_ = [(n, ctypes.c_int64 if n == "num_heads" else t) for n, t in FwdParams._fields_]
 
-    ok, log = nvrtc_compiles(probe_source({"vmla::FwdParams": Swapped}))
-    assert not ok and "offset of vmla::FwdParams::num_heads" in log, log
-    ok, log = nvrtc_compiles(probe_source({"vmla::MergeParams": Short}))
-    assert not ok and "sizeof vmla::MergeParams" in log, log
-    ok, log = nvrtc_compiles(probe_source({"vmla::FwdParams": Wide}))
-    assert not ok and "size of vmla::FwdParams::num_heads" in log, log
+    assert any(p.startswith("offset of vmla::FwdParams::num_heads") for p in layout_mismatches("vmla::FwdParams", Swapped))
+    assert any(p.startswith("sizeof vmla::MergeParams") for p in layout_mismatches("vmla::MergeParams", Short))
+    assert any(p.startswith("size of vmla::FwdParams::num_heads") for p in layout_mismatches("vmla::FwdParams", Wide))
 
 
 @pytest.mark.parametrize("arch,config", [("sm_120", KernelConfig()), ("sm_90", KernelConfig.for_arch("sm_90"))])

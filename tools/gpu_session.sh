@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU is needed for, in one call (build, test, sanitize, benchmark); logs under $OUT.
-# Usage (device machine, repository root): tools/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|server-check|server-tests|bench-server|gpu-suite|gpu-suite-fuzz|gpu-suite-kernel|gpu-suite-rest|ngram-cost|selfcheck|tune|tune-default|tune-sm120|tune-sm120-half|report|all] ...
+# Usage (device machine, repository root): tools/gpu_session.sh [smoke|quick|test|bench|bench-sm120|bench-chain|bench-chain-fa2|bench-ref|variants|tensor-rate|notebooks|sglang|sglang-captures|sglang-bench|server-check|server-tests|bench-server|wheel|gpu-suite|gpu-suite-fuzz|gpu-suite-kernel|gpu-suite-rest|ngram-cost|selfcheck|tune|tune-default|tune-sm120|tune-sm120-half|report|all] ...
 # (bench-chain: the chain cases with FlashInfer's causal MLA kernel beside kdtree; carry .whl/fi312.tar.xz alone)
 # (bench-chain-fa2: sm_120's configuration against FlashInfer's portable fa2 kernel, first as its dispatch sizes it
 #  for this GPU, then on a copy of FlashInfer edited to take the branch it takes at sm_120's ~100 KB a SM; carry
@@ -13,6 +13,9 @@
 #  server-tests: tests/test_server_gpu.py the same way, SERVER_TESTS_K selects tests; bench-server: `kdtree bench
 #  --server` into $OUT, BENCH_SERVER_ARGS adds options; at TP 2, on two GPUs: SERVER_CHECK_ARGS="--tp 2
 #  --model-dir /tmp/tiny-model-tp2", BENCH_SERVER_ARGS="--tp 2 --heads 8")
+# (wheel: kdtree from its wheel (.dist/kdtree-*.whl, carried: `pip wheel --no-deps -w .dist .`) installed in
+#  /tmp/kd-site, outside the checkout, and run from /tmp with no checkout on PYTHONPATH: `kdtree selfcheck` on the
+#  CUDA kernel, then `kdtree server-check`, its plugin found through the installed entry point; carry .whl too)
 # (selfcheck, tune (this GPU's target, sm_120's, sm_120's at half the tensor rate), report: the first-use
 #  commands of kdtree; tune writes no tuning file here)
 # (gpu-suite: `pytest -m gpu` without the live-server tests, as three parts (-fuzz, -kernel, -rest: one call each);
@@ -121,6 +124,18 @@ for w in "$@"; do
                     --model-dir /tmp/tiny-model ${SERVER_CHECK_ARGS:-}
                   cp /tmp/server-check/report.json "$OUT/" 2>/dev/null  # and the servers' logs and captures in one archive:
                   tar -cJf "$OUT/server-check.tar.xz" -C /tmp/server-check . 2>/dev/null ;;
+    wheel) [ -f .whl/sgl_kernel312.tar.xz ] && tar -xJf .whl/sgl_kernel312.tar.xz -C /tmp/site
+           rm -rf /tmp/kd-site /tmp/elsewhere && mkdir -p /tmp/elsewhere \
+             && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kd-site .dist/kdtree-*.whl \
+             || { echo "wheel: no .dist/kdtree-*.whl to install"; exit 1; }
+           wheel_env=(env -C /tmp/elsewhere PYTHONPATH=/tmp/kd-site:/tmp/site KDTREE_CACHE_DIR=/tmp/kd-cache PATH="/tmp/kd-site/bin:$PATH")
+           "${wheel_env[@]}" python3 -c "import kdtree, kdtree.kernel.config as c; print('kdtree', kdtree.__file__, 'kernels', c.KERNEL_DIR)" \
+             | tee "$OUT/wheel-where.txt"
+           step wheel-selfcheck 300 "${wheel_env[@]}" kdtree selfcheck
+           step wheel-server-check "${SERVER_CHECK_LIMIT:-560}" "${wheel_env[@]}" kdtree server-check -o /tmp/server-check \
+             --model-dir /tmp/tiny-model ${SERVER_CHECK_ARGS:-}
+           cp /tmp/server-check/report.json "$OUT/" 2>/dev/null
+           tar -cJf "$OUT/server-check.tar.xz" -C /tmp/server-check . 2>/dev/null ;;
     selfcheck) step selfcheck 300 python3 -m kdtree selfcheck --force ;;
     ngram-cost) step ngram-cost 240 python3 experiments/ngram_cost.py "$OUT/ngram-cost.json" ;;  # SGLang's drafter, host only
     tune|tune-default|tune-sm120|tune-sm120-half)

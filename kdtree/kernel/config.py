@@ -13,7 +13,10 @@ from pathlib import Path
 
 import torch
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+# The kernel sources, found one way (docs/kernel-design.md, "Sources"): kdtree/kernels, in a checkout a link to the
+# kernels/ folder at its top (so an editable install, or the checkout on PYTHONPATH, compiles what you edit there),
+# in a wheel the files themselves. Resolved, so that a checkout's KERNEL_DIR.parent is its root.
+KERNEL_DIR = (Path(__file__).resolve().parents[1] / "kernels").resolve()
 POOL_ROW_BYTES = 576 * 2  # a pool row: kv_lora_rank 512 + rope 64, bf16
 SOURCE = KERNEL_DIR / "verify_mla.cu"
 FWD, MERGE = "verify_mla_fwd", "verify_mla_merge"
