@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -22,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from kdtree.errors import BadInput
+from kdtree.files import atomic_path
 from kdtree.format import (  # noqa: F401 - the format's names, re-exported where they were always imported from
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -370,28 +370,11 @@ def capture_files(where: str | os.PathLike) -> list[Path]:
 
 
 def save(capture: Capture, path: str | os.PathLike, *, private: bool = False) -> Path:
-    """Write atomically: a temporary file in the same folder, fsynced, then renamed over `path`. The file gets
-    the mode a plain open() would give it, or, `private`, 0600 (owner only: a server's captures hold
-    activations derived from its users' prompts)."""
+    """Write atomically (`kdtree.files.atomic_path`): the file gets the mode a plain open() would give it, or,
+    `private`, 0600 (owner only: a server's captures hold activations derived from its users' prompts)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     # one metadata key: safetensors does not keep the order of several, and files must be reproducible
     metadata = {"kdtree": header_json(capture.meta)}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(capture.tensor_dict(), tmp, metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        # after save_file, which leaves its file 0600 whatever the file was before
-        if private:
-            os.chmod(tmp, 0o600)
-        else:  # the mode a plain open() would give
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path, private=private) as tmp:
+        save_file(capture.tensor_dict(), str(tmp), metadata=metadata)
     return path

@@ -697,20 +697,28 @@ def selfcheck_cmd(
         raise BadInput(why)
     if inject is not None and inject not in FAULTS:
         raise BadInput(f"--inject: unknown fault {inject!r}; expected one of {', '.join(FAULTS)}")
+    if selfcheck.skipped():
+        typer.echo(f"{selfcheck.SKIP_VAR}=0 skips the backend's self-check; this command checks all the same", err=True)
     console = Console(stderr=True)
     with console.status("selfcheck") as status:
-        verdict, cached = selfcheck.ensure(
+        outcome = selfcheck.ensure(
             impl,
             force=force or inject is not None,
             fault=inject,
             on_row=lambda r: status.update(f"selfcheck: {r.name} {'PASS' if r.passed else 'FAIL'}"),
+            honour_skip=False,
         )
-    path = selfcheck.verdict_path(verdict.key)
+    verdict = outcome.verdict
+    for note in outcome.notes:
+        typer.echo(f"kdtree: {note}", err=True)
     if as_json:
         typer.echo(json.dumps(verdict.to_json(), indent=1))
     else:
-        typer.echo(selfcheck.format_verdict(verdict, path))
-        typer.echo("(cached verdict; --force checks again)" if cached else f"wrote {path}", err=True)
+        typer.echo(selfcheck.format_verdict(verdict, outcome.path))
+        if outcome.cached:
+            typer.echo("(cached verdict; --force checks again)", err=True)
+        elif outcome.path is not None:
+            typer.echo(f"wrote {outcome.path}", err=True)
     raise typer.Exit(0 if verdict.passed else 1)
 
 

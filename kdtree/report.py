@@ -11,13 +11,13 @@ parts done). The tuning file is not written: `kdtree tune` does that when asked.
 from __future__ import annotations
 
 import json
-import os
 import time
 import traceback
 from pathlib import Path
 from typing import Callable
 
 from kdtree.environment import describe
+from kdtree.files import write_text_atomic
 
 FORMAT = "kdtree-report/2"  # 2: the environment as kdtree.environment records it
 
@@ -25,8 +25,8 @@ FORMAT = "kdtree-report/2"  # 2: the environment as kdtree.environment records i
 def selfcheck_part() -> dict:
     from kdtree import selfcheck
 
-    verdict, _ = selfcheck.ensure("cuda", force=True)
-    return {"verdict": verdict.to_json(), "text": selfcheck.format_verdict(verdict)}
+    outcome = selfcheck.ensure("cuda", force=True, honour_skip=False)
+    return {"verdict": outcome.verdict.to_json(), "text": selfcheck.format_verdict(outcome.verdict), "notes": outcome.notes}
 
 
 def compile_part() -> dict:
@@ -62,9 +62,7 @@ PARTS: dict[str, Callable[[], dict]] = {
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=1, default=str))
 
 
 def run(out_dir: Path, *, parts: dict[str, Callable[[], dict]] | None = None, say=lambda _: None) -> dict:

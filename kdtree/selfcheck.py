@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from kdtree.cache import cache_dir
 from kdtree.diff import DEFAULT_TOLERANCE
+from kdtree.files import UnreadableFile, read_small_text, write_text_atomic
 
 FORMAT = "kdtree-selfcheck/1"
 FUZZ_SEEDS = (0, 2, 6, 9, 17, 32, 42, 51)  # every tree kind, 8-128 heads, N 64-1025, extreme logits
@@ -74,19 +76,58 @@ class Verdict:
 
     @classmethod
     def from_json(cls, d: dict) -> "Verdict":
+        """A verdict from its JSON, checked field by field as untrusted input: SelfCheckError names what is wrong."""
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise SelfCheckError(f"not a {FORMAT} file")
         try:
-            return cls(
-                key=Key(**d["key"]),
-                passed=bool(d["passed"]),
-                tolerance=float(d["tolerance"]),
-                rows=[Row(**r) for r in d["rows"]],
-                seconds=float(d["seconds"]),
-                checked_at=str(d["checked_at"]),
+            key = Key(**{f.name: _typed(d["key"], f.name, str) for f in dataclasses.fields(Key)})
+            if set(d["key"]) != {f.name for f in dataclasses.fields(Key)}:
+                raise ValueError(f"key has the fields {sorted(d['key'])}")
+            rows = [_row(r) for r in _typed(d, "rows", list)]
+            v = cls(
+                key, _typed(d, "passed", bool), _finite(d, "tolerance"), rows, _finite(d, "seconds"), _typed(d, "checked_at", str)
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SelfCheckError(f"a field is missing or malformed ({type(e).__name__}: {e})") from e
+        if not v.rows:
+            raise SelfCheckError("no batch was checked (rows is empty)")
+        if v.tolerance <= 0 or v.passed != all(r.passed for r in v.rows):
+            raise SelfCheckError(f"its verdict ({'PASS' if v.passed else 'FAIL'}) is not its rows' (tolerance {v.tolerance})")
+        if any(r.passed and not r.worst_rel <= v.tolerance for r in v.rows):
+            raise SelfCheckError(f"a row passes with a rel above the tolerance {v.tolerance}")
+        return v
+
+
+def _typed(d, name: str, kind: type):
+    """d[name], which must be a `kind` (a bool is no int, an int no bool)."""
+    if not isinstance(d, dict):
+        raise TypeError(f"expected an object holding {name!r}, got {type(d).__name__}")
+    value = d[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"{name}: expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _finite(d, name: str, *, nan_ok: bool = False) -> float:
+    value = d[name] if isinstance(d, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    if not (math.isfinite(value) and value >= 0) and not (nan_ok and math.isnan(value)):
+        raise ValueError(f"{name}: {value} is not a finite number >= 0")
+    return float(value)
+
+
+def _row(r) -> Row:
+    row = Row(
+        _typed(r, "name", str),
+        _typed(r, "layers", int),
+        _finite(r, "worst_rel", nan_ok=True),
+        _typed(r, "passed", bool),
+        _finite(r, "seconds"),
+    )
+    if set(r) != {f.name for f in dataclasses.fields(Row)} or row.layers < 1 or (row.passed and math.isnan(row.worst_rel)):
+        raise ValueError(f"row {row.name!r}: fields {sorted(r)}, layers {row.layers}, rel {row.worst_rel}, passed {row.passed}")
+    return row
 
 
 def skipped(env: dict | None = None) -> bool:
@@ -129,23 +170,30 @@ def driver_version() -> str:
 
 
 def load(key: Key, directory: Path | None = None) -> Verdict | None:
-    """The verdict cached for exactly `key`, or None (none, unreadable, or written for another key)."""
+    """The verdict cached for exactly `key`, or None where none is. SelfCheckError, naming the file and why, for a
+    file there that is not a verdict for this key (corrupt, cut short, another key's, no regular file)."""
     path = verdict_path(key, directory)
     try:
-        verdict = Verdict.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, SelfCheckError):
-        return None
-    return verdict if verdict.key == key else None
+        text = read_small_text(path)
+        if text is None:
+            return None
+        verdict = Verdict.from_json(json.loads(text))
+    except UnreadableFile as e:
+        raise SelfCheckError(str(e)) from e
+    except ValueError as e:  # json's errors
+        raise SelfCheckError(f"{path}: not JSON ({e})") from e
+    except SelfCheckError as e:
+        raise SelfCheckError(f"{path}: {e}") from e
+    if verdict.key != key:
+        raise SelfCheckError(
+            f"{path}: written for another key ({verdict.key.gpu}, {verdict.key.driver}, source {verdict.key.source_hash})"
+        )
+    return verdict
 
 
 def save(verdict: Verdict, directory: Path | None = None) -> Path:
-    """Write atomically (a temporary file renamed), so a reader never sees half a verdict."""
-    path = verdict_path(verdict.key, directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(verdict.to_json(), indent=1))
-    os.replace(tmp, path)
-    return path
+    """Write atomically and durably (`kdtree.files`): a reader never sees half a verdict; OSError when it cannot."""
+    return write_text_atomic(verdict_path(verdict.key, directory), json.dumps(verdict.to_json(), indent=1))
 
 
 def fuzz_batches(seeds: tuple[int, ...] = FUZZ_SEEDS):
@@ -180,6 +228,8 @@ def run(
     items = [(p.name, lambda p=p: load_capture(p)) for p in (captures if captures is not None else shipped())]
     batches = fuzz_batches(seeds if seeds is not None else FUZZ_SEEDS)
     items += [(name, lambda s=s: synthesize(s, reference=False)) for name, s in batches]
+    if not items:
+        raise ValueError("a self-check of no batch checks nothing: give captures or seeds")
     for name, make in items:
         t = time.perf_counter()
         diffs = diff_capture(make(), key.impl, "oracle", fault=fault, tolerance=tolerance, device=device)
@@ -199,6 +249,17 @@ def shipped() -> list[Path]:
     return sorted(root.glob("*.safetensors"))
 
 
+@dataclass
+class Outcome:
+    """What `ensure` did: the verdict (None: skipped), whether it came from the cache, the file that holds it (None:
+    not cached), and one line for each thing worth saying (a cached file ignored and why; a cache not writable)."""
+
+    verdict: Verdict | None
+    cached: bool = False
+    path: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+
 def ensure(
     impl: str = "cuda",
     *,
@@ -208,19 +269,32 @@ def ensure(
     seeds: tuple[int, ...] | None = None,
     fault: str | None = None,
     on_row=None,
-) -> tuple[Verdict | None, bool]:
-    """(the verdict for this machine, whether it came from the cache): cached for this exact key, or checked now
-    and cached (`force`: checked again; `fault`: checked with a marshaling bug injected, not cached). (None, False)
-    when skipped (KDTREE_SELFCHECK=0) and not forced."""
-    if skipped() and not force:
-        return None, False
+    honour_skip: bool = True,
+) -> Outcome:
+    """This machine's verdict: cached for this exact key, or checked now and cached (`force`: checked again;
+    `fault`: checked with a marshaling bug injected, never cached). A cached file that is not a verdict for this key
+    is ignored and checked again; a cache that cannot be written keeps the verdict uncached. Either is one line of
+    `notes`. Skipped (verdict None) where KDTREE_SELFCHECK=0 and `honour_skip` (the backend's check, not the
+    command's)."""
+    if honour_skip and skipped():
+        return Outcome(None)
     key = current_key(impl)
-    if not force and (cached := load(key, directory)) is not None:
-        return cached, True
+    path, notes = verdict_path(key, directory), []
+    if not force:
+        try:
+            if (cached := load(key, directory)) is not None:
+                return Outcome(cached, True, path)
+        except SelfCheckError as e:
+            notes.append(f"cached verdict ignored: {e}")
     verdict = run(key, captures, seeds, fault=fault, on_row=on_row)
-    if fault is None:  # an injected fault's verdict says nothing of this machine: never cached
+    if fault is not None:  # an injected fault's verdict says nothing of this machine: never cached
+        return Outcome(verdict, False, None, notes)
+    try:
         save(verdict, directory)
-    return verdict, False
+    except OSError as e:
+        notes.append(f"cache not writable: {path.parent}: {e.strerror or e}")
+        path = None
+    return Outcome(verdict, False, path, notes)
 
 
 def format_verdict(v: Verdict, cached_at: Path | None = None) -> str:

@@ -6,7 +6,9 @@ tests/test_sglang_gpu.py.)"""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
+import os
 import sys
 import types
 
@@ -15,6 +17,7 @@ import torch
 
 from kdtree.capture import load
 from kdtree.marshal import marshal
+from kdtree.selfcheck import ensure as _real_ensure
 from kdtree.sglang.capture_hook import CaptureWriter, capture_tensors
 from kdtree.sglang.settings import Settings, SettingsError
 from kdtree.sglang.shadow import shadow_diff
@@ -116,7 +119,8 @@ def test_faulty_metadata_is_not_what_marshal_builds():
 
 def test_settings_from_the_environment():
     s = Settings.from_env({})
-    assert (s.mode, s.layers, s.ranks, s.every, s.capture_max_files, s.capture_max_bytes) == ("serve", None, {0}, 1, 16, 2**30)
+    assert (s.mode, s.layers, s.every, s.capture_max_files, s.capture_max_bytes) == ("serve", None, 1, 16, 2**30)
+    assert 0 in s.ranks and 1 not in s.ranks
     assert s.body == "default"
     s = Settings.from_env(
         {
@@ -128,7 +132,8 @@ def test_settings_from_the_environment():
             "KDTREE_CAPTURE_MAX_BYTES": "64M",
         }
     )
-    assert s.mode == "shadow" and s.layers == {0, 30, 31, 32} and s.ranks is None and s.capture_max_bytes == 64 * 2**20
+    assert s.mode == "shadow" and [i for i in range(40) if i in s.layers] == [0, 30, 31, 32] and s.ranks is None
+    assert s.capture_max_bytes == 64 * 2**20
     assert s.body == "blocks64"
     assert s.watches(20, 31, 5) and not s.watches(25, 31, 5) and not s.watches(20, 29, 5)
     for env, name in [
@@ -138,9 +143,48 @@ def test_settings_from_the_environment():
         ({"KDTREE_CAPTURE_MAX_BYTES": "lots"}, "KDTREE_CAPTURE_MAX_BYTES"),
         ({"KDTREE_RANKS": "x"}, "KDTREE_RANKS"),
         ({"KDTREE_BODY": "fastest"}, "KDTREE_BODY"),
+        ({"KDTREE_CAPTURE_MAX_BYTES": "inf"}, "KDTREE_CAPTURE_MAX_BYTES"),
+        ({"KDTREE_CAPTURE_MAX_BYTES": "1e400"}, "KDTREE_CAPTURE_MAX_BYTES"),
+        ({"KDTREE_CAPTURE_MAX_BYTES": "nanG"}, "KDTREE_CAPTURE_MAX_BYTES"),
+        ({"KDTREE_TOLERANCE": "nan"}, "KDTREE_TOLERANCE"),
+        ({"KDTREE_TOLERANCE": "inf"}, "KDTREE_TOLERANCE"),
+        ({"KDTREE_EVERY": "9" * 40}, "KDTREE_EVERY"),
+        ({"KDTREE_LAYERS": "0-99999999999"}, "KDTREE_LAYERS"),
+        ({"KDTREE_LAYERS": "1,,2"}, "KDTREE_LAYERS"),
+        ({"KDTREE_LAYERS": "1," * 5000}, "KDTREE_LAYERS"),
     ]:
         with pytest.raises(SettingsError, match=name):
             Settings.from_env(env)
+
+
+def test_a_huge_id_range_is_kept_as_a_range():
+    """KDTREE_LAYERS=0-300000000 once expanded into a set of 300 million ints until the OOM killer came: a range
+    is kept as its two ends, checked in constant time."""
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    t = time.perf_counter()
+    s = Settings.from_env({"KDTREE_LAYERS": "0-300000000,2147483647", "KDTREE_RANKS": "0-7"})
+    took, (_, peak) = time.perf_counter() - t, tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert took < 0.1 and peak < 1 << 20
+    assert 299_999_999 in s.layers and 300_000_001 not in s.layers and 2**31 - 1 in s.layers and 7 in s.ranks
+
+
+def test_a_bad_setting_never_stops_the_server(standin_backend, monkeypatch, caplog):
+    """A variable kdtree cannot use is said once at start-up, naming it, and Triton serves: the server starts."""
+    from kdtree.sglang import log
+    from kdtree.sglang.step import Refusal
+
+    backend, _ = standin_backend
+    monkeypatch.setenv("KDTREE_CAPTURE_MAX_BYTES", "inf")
+    monkeypatch.setattr(log, "_said", set())
+    with caplog.at_level(logging.INFO, logger="kdtree"):
+        b = type(backend)(types.SimpleNamespace(tp_rank=0, tp_size=1, model_config=types.SimpleNamespace(model_path="tiny")))
+    (line,) = [r.getMessage() for r in caplog.records if "KDTREE_CAPTURE_MAX_BYTES" in r.getMessage()]
+    assert "Triton serves every step" in line and b.settings.mode == "triton"
+    assert b.step_refusal(forward_batch()) == Refusal.MODE.format(mode="triton")
 
 
 def test_shadow_line_names_the_worst_element():
@@ -402,7 +446,7 @@ def standin_backend(monkeypatch):
         monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
     monkeypatch.delitem(sys.modules, "kdtree.sglang.backend", raising=False)
     monkeypatch.delenv("KDTREE_MODE", raising=False)
-    monkeypatch.setattr(selfcheck, "ensure", lambda impl: (_verdict(True), True))
+    monkeypatch.setattr(selfcheck, "ensure", lambda impl: selfcheck.Outcome(_verdict(True), True))
     capturing = {"on": False}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["on"])
     from kdtree.sglang.backend import KdtreeAttnBackend
@@ -449,7 +493,7 @@ def test_the_backend_serves_only_after_its_self_check_passes(standin_backend, mo
     def ensure(impl):
         if outcome == "error":
             raise RuntimeError("no CUDA device")
-        return (None, False) if outcome == "skipped" else (_verdict(outcome == "pass"), False)
+        return selfcheck.Outcome(None if outcome == "skipped" else _verdict(outcome == "pass"))
 
     monkeypatch.setattr(selfcheck, "ensure", ensure)
     monkeypatch.setattr(log, "_said", set())
@@ -463,6 +507,41 @@ def test_the_backend_serves_only_after_its_self_check_passes(standin_backend, mo
     assert b.settings.mode == want[0] and want[1] in lines[0]
     if want[0] == "triton":
         assert b.step_refusal(forward_batch()) == Refusal.MODE.format(mode="triton")
+
+
+@pytest.mark.parametrize("fault", ["malformed", "fifo", "unwritable"])
+def test_a_bad_verdict_cache_never_stops_the_server(standin_backend, monkeypatch, caplog, tmp_path, fault):
+    """The real `selfcheck.ensure` under the backend (the check itself stood in for: it needs a GPU), with a cache
+    kdtree did not write: a malformed verdict under this key (`passed: false, rows: []`, which once raised out of
+    the backend's constructor), a FIFO at the verdict's path, a cache folder that cannot be written. The backend is
+    built, checks again, serves, and says what it ignored in its one self-check line."""
+    from kdtree import selfcheck
+    from kdtree.sglang import log
+
+    backend, _ = standin_backend
+    monkeypatch.setattr(selfcheck, "ensure", _real_ensure)  # not the fixture's stand-in
+    monkeypatch.setenv("KDTREE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(selfcheck.SKIP_VAR, raising=False)
+    monkeypatch.delenv("KDTREE_MODE", raising=False)
+    key = _verdict(True).key
+    monkeypatch.setattr(selfcheck, "current_key", lambda impl: key)
+    monkeypatch.setattr(selfcheck, "run", lambda key, *a, **kw: _verdict(True))
+    path = selfcheck.verdict_path(key)
+    path.parent.mkdir(parents=True)
+    if fault == "malformed":
+        path.write_text(json.dumps({**_verdict(True).to_json(), "passed": False, "rows": []}))
+    elif fault == "fifo":
+        os.mkfifo(path)
+    else:
+        path.parent.rmdir()
+        path.parent.write_text("a file where the cache folder should be")
+    monkeypatch.setattr(log, "_said", set())
+    with caplog.at_level(logging.INFO, logger="kdtree"):
+        b = type(backend)(types.SimpleNamespace(tp_rank=0, tp_size=1, model_config=types.SimpleNamespace(model_path="tiny")))
+    (line,) = [r.getMessage() for r in caplog.records if "self-check" in r.getMessage()]
+    assert b.settings.mode == "serve" and "self-check passed" in line, line
+    said = f"cache not writable: {path.parent}: " if fault == "unwritable" else f"cached verdict ignored: {path}: "
+    assert said in line, line
 
 
 def test_the_backend_keeps_its_step_in_one_state(standin_backend):

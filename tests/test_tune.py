@@ -88,7 +88,7 @@ def test_a_tuning_file_round_trips_and_is_refused_when_corrupt_foreign_or_stale(
         path.write_text(broken)
         with pytest.raises(TuneError, match="corrupt"):
             tuning.load(path, source_hash="abc123", **rtx)
-    with pytest.raises(TuneError, match="cannot be read"):
+    with pytest.raises(TuneError, match="no such file"):
         tuning.load(tmp_path / "none.json", gpu="x", sms=1, source_hash="y")
 
 
@@ -134,6 +134,27 @@ def test_the_planner_loads_this_gpus_tuning_file_and_ignores_a_foreign_one(tmp_p
         assert tuning.active_tuning("GPU B", 132, "sm_90", {"KDTREE_TUNING": str(path)}) is None  # foreign: said, not used
     assert "foreign" in caplog.text and "shipped cost model" in caplog.text
     assert tuning.active_tuning("GPU A", 188, "sm_120", env) is None  # none for that target: the shipped model, silently
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "huge", "not utf-8", "missing"])
+def test_a_tuning_file_that_is_no_file_is_said_and_ignored(tmp_path, caplog, kind):
+    """KDTREE_TUNING naming a FIFO (which once hung the planner's reader), a folder, a 2 MB file, bytes that are not
+    UTF-8 or nothing: one warning naming the file and why; the shipped cost model plans."""
+    import os
+
+    path = tmp_path / "tune.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "huge":
+        path.write_text(" " * (2 << 20))
+    elif kind == "not utf-8":
+        path.write_bytes(b"\xff{")
+    tuning._active.clear()
+    with caplog.at_level("WARNING", logger="kdtree"):
+        assert tuning.active_tuning("GPU A", 188, "sm_90", {"KDTREE_TUNING": str(path)}) is None
+    assert f"tuning file not used: {path}: " in caplog.text and "shipped cost model" in caplog.text
 
 
 def test_a_batchs_picks_are_read_against_its_fastest_plan():

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kdtree.files import UnreadableFile, read_small_text, write_text_atomic
+
 FORMAT = "kdtree-tune/1"
 REFERENCE_KIND = "wgmma64"  # unit costs are relative to this body's unit, as the planner's are
 
@@ -128,25 +130,24 @@ class TuningFile:
 
 
 def save(t: TuningFile, path: Path) -> Path:
-    """Atomically: a temporary file renamed over `path`."""
+    """Atomically and durably (`kdtree.files`); OSError when it cannot."""
     t.model.check()
     if not t.made_at:
         import time
 
         t.made_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(t.to_json(), indent=1))
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps(t.to_json(), indent=1))
 
 
 def load(path: Path, *, gpu: str, sms: int, source_hash: str, target: str = "") -> TuningFile:
     """The tuning file at `path` if it was made for this GPU, target and kernel source; TuneError naming why not."""
     try:
-        d = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise TuneError(f"{path}: cannot be read ({e.strerror or e})") from e
+        text = read_small_text(path)
+        if text is None:
+            raise TuneError(f"{path}: no such file")
+        d = json.loads(text)
+    except UnreadableFile as e:
+        raise TuneError(str(e)) from e
     except ValueError as e:
         raise TuneError(f"{path}: corrupt (not JSON: {e})") from e
     if not isinstance(d, dict) or d.get("format") != FORMAT:

@@ -27,6 +27,7 @@ from typing import Callable
 from kdtree.diff import DEFAULT_TOLERANCE  # captures diff as `kdtree diff` does
 from kdtree.environment import describe
 from kdtree.errors import BadInput
+from kdtree.files import write_text_atomic
 from kdtree.server import client, logscan
 from kdtree.server.checkpoint import TinySpec, build_checkpoint
 from kdtree.server.process import ServerError, ServerProcess, free_port
@@ -355,10 +356,7 @@ def run_mode(
 
 def write_json(path: Path, obj) -> None:
     """Write atomically (temporary file, rename): a report is whole or absent."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(obj, indent=1, default=str))
 
 
 def run_check(

@@ -12,11 +12,13 @@
 | `KDTREE_CAPTURE_MAX_BYTES` | ... or before the files would pass this many bytes (suffixes K, M, G) | `1G` |
 | `KDTREE_BODY` | the kernel body the server runs: `default` (the target's first configuration: on Hopper split_keys with few-row tiles) or `blocks64` (Hopper: the blocks64 body, FlashMLA's schedule on 64-key blocks, for long batches: docs/sglang.md, "Which body"; another target keeps its default and says so once) | `default` |
 
-A value that does not parse raises `SettingsError` naming the variable, when the server starts.
+A value that does not parse (or is out of range: ids up to 2^31 - 1, finite numbers) is `SettingsError`, naming the
+variable; the backend then says it in one line when the server starts, and Triton serves every step.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,46 +32,66 @@ class SettingsError(ValueError):
     """An environment variable kdtree reads has a value it cannot use."""
 
 
-def _id_set(name: str, raw: str) -> frozenset[int] | None:
-    """`all` -> None (every id); `0,30-32` -> {0, 30, 31, 32}."""
+MAX_ID = 2**31 - 1  # layer and rank ids are int32 in SGLang
+MAX_SETTING_CHARS = 4096
+MAX_BYTES = 2**50  # KDTREE_CAPTURE_MAX_BYTES: a PiB is past any disk
+
+
+@dataclass(frozen=True)
+class IdRanges:
+    """Ids as inclusive ranges (`0,30-32` is ((0, 0), (30, 32))), never expanded: a range of 300 million ids costs
+    what one of three does."""
+
+    ranges: tuple[tuple[int, int], ...]
+
+    def __contains__(self, i: int) -> bool:
+        return any(lo <= i <= hi for lo, hi in self.ranges)
+
+
+def _id_set(name: str, raw: str) -> IdRanges | None:
+    """`all` -> None (every id); `0,30-32` -> IdRanges(((0, 0), (30, 32)))."""
     raw = raw.strip()
     if raw == "all":
         return None
-    ids: set[int] = set()
+    if len(raw) > MAX_SETTING_CHARS:
+        raise SettingsError(f"{name}: {len(raw):,} characters; at most {MAX_SETTING_CHARS:,}")
+    ranges = []
     for part in raw.split(","):
         part = part.strip()
-        try:
-            lo, _, hi = part.partition("-")
-            a, b = int(lo), int(hi) if hi else int(lo)
-        except ValueError:
+        lo, _, hi = part.partition("-")
+        if not (lo.isdigit() and (hi.isdigit() or not hi) and lo.isascii() and hi.isascii()):
             raise SettingsError(f"{name}={raw!r}: expected 'all' or ids and ranges such as 0,30-32") from None
-        if a < 0 or b < a:
-            raise SettingsError(f"{name}={raw!r}: {part!r} is not a range of ids >= 0")
-        ids.update(range(a, b + 1))
-    return frozenset(ids)
+        a, b = int(lo), int(hi) if hi else int(lo)
+        if b < a or b > MAX_ID:
+            raise SettingsError(f"{name}={raw!r}: {part!r} is not a range of ids from 0 to {MAX_ID}")
+        ranges.append((a, b))
+    return IdRanges(tuple(ranges))
 
 
-def _number(name: str, raw: str, kind=int, minimum=0):
+def _number(name: str, raw: str, kind=int, minimum=0, maximum=MAX_ID):
+    """A finite number in [minimum, maximum]; SettingsError naming the variable otherwise (inf, nan, 1e400, junk)."""
+    if len(raw) > 64:
+        raise SettingsError(f"{name}: {len(raw)} characters is no number")
     try:
         value = kind(raw)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise SettingsError(f"{name}={raw!r}: expected a {'whole ' if kind is int else ''}number") from None
-    if value < minimum:
-        raise SettingsError(f"{name}={raw!r}: must be >= {minimum}")
+    if not math.isfinite(value) or not minimum <= value <= maximum:
+        raise SettingsError(f"{name}={raw!r}: must be a finite number from {minimum} to {maximum:g}")
     return value
 
 
 def _bytes(name: str, raw: str) -> int:
     scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(raw.strip()[-1:].upper(), 1)
     digits = raw.strip()[:-1] if scale > 1 else raw.strip()
-    return int(_number(name, digits, float, 1) * scale)
+    return int(_number(name, digits, float, 1, MAX_BYTES / scale) * scale)
 
 
 @dataclass(frozen=True)
 class Settings:
     mode: str = "serve"
-    layers: frozenset[int] | None = None  # None: all
-    ranks: frozenset[int] | None = frozenset({0})
+    layers: IdRanges | None = None  # None: all
+    ranks: IdRanges | None = IdRanges(((0, 0),))
     every: int = 1
     tolerance: float = 5e-3
     capture_dir: Path = Path("kdtree-captures")
@@ -92,7 +114,7 @@ class Settings:
             layers=_id_set("KDTREE_LAYERS", env.get("KDTREE_LAYERS", "all")),
             ranks=_id_set("KDTREE_RANKS", env.get("KDTREE_RANKS", "0")),
             every=_number("KDTREE_EVERY", env.get("KDTREE_EVERY", "1"), int, 1),
-            tolerance=_number("KDTREE_TOLERANCE", env.get("KDTREE_TOLERANCE", "5e-3"), float, 0),
+            tolerance=_number("KDTREE_TOLERANCE", env.get("KDTREE_TOLERANCE", "5e-3"), float, 0, 1e6),
             capture_dir=Path(env.get("KDTREE_CAPTURE_DIR", "kdtree-captures")),
             capture_max_files=_number("KDTREE_CAPTURE_MAX_FILES", env.get("KDTREE_CAPTURE_MAX_FILES", "16"), int, 1),
             capture_max_bytes=_bytes("KDTREE_CAPTURE_MAX_BYTES", env.get("KDTREE_CAPTURE_MAX_BYTES", "1G")),
