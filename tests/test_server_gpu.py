@@ -196,7 +196,7 @@ def test_at_tp_2_both_ranks_shadow_serve_and_capture(out):
         if mode == "shadow":
             assert r.scan["shadow_ranks"] == [0, 1] and r.scan["worst_rel"] <= TOL
         if mode == "capture":
-            assert {Path(c["path"]).name.split("-")[-1] for c in r.captures} == {"tp0.safetensors", "tp1.safetensors"}
+            assert {Path(c["path"]).name.split("-")[2] for c in r.captures} == {"tp0", "tp1"}  # step-L-tp-run tag
 
 
 def _cupy_blocked(tmp: Path) -> str:

@@ -218,7 +218,7 @@ def test_capture_files_round_trip_and_stop_at_the_file_budget(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="kdtree"):
         paths = [w.write(f"s{i}.safetensors", cap.meta, tensors) for i in range(4)]
     assert paths[2] is None and paths[3] is None and not w.enabled
-    assert sorted(p.name for p in (tmp_path / "caps").iterdir()) == ["s0.safetensors", "s1.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "caps").iterdir()) == [f"s0-{w.run}.safetensors", f"s1-{w.run}.safetensors"]
     back = load(paths[0])
     for name in ("kv_indices", "out_cache_loc", "custom_mask", "layers.0.q", "layers.0.o", "layers.0.k"):
         assert torch.equal(back.tensor_dict()[name], cap.tensor_dict()[name]), name
@@ -232,7 +232,7 @@ def test_capture_stops_before_the_byte_budget_and_writes_nothing_partial(tmp_pat
     w = CaptureWriter(tmp_path, max_files=10, max_bytes=size * 3 // 2)  # room for one file, not two
     assert w.write("a.safetensors", cap.meta, tensors) is not None
     assert w.write("b.safetensors", cap.meta, tensors) is None and not w.enabled
-    assert [p.name for p in tmp_path.iterdir()] == ["a.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == [f"a-{w.run}.safetensors"]
 
 
 def test_an_unwritable_directory_or_an_invalid_step_stops_capture_quietly(tmp_path):
@@ -246,6 +246,52 @@ def test_an_unwritable_directory_or_an_invalid_step_stops_capture_quietly(tmp_pa
     w = CaptureWriter(tmp_path / "caps", 4, 2**30)
     assert w.write("bad.safetensors", cap.meta, broken) is None and not w.enabled
     assert not (tmp_path / "caps").exists() or not any((tmp_path / "caps").iterdir())
+
+
+def test_a_second_writer_replaces_nothing_and_counts_what_is_there(tmp_path, monkeypatch, caplog):
+    """A restarted server (or a second replica) writing into the same folder: its files carry its own run tag, so
+    none replaces the first's, and the first's files count toward its budgets."""
+    from kdtree.sglang import log
+
+    monkeypatch.setattr(log, "_said", set())
+    cap = load(next(p for p in SHIPPED if p.stem == "server-chain16"))
+    tensors = capture_tensors(*_one_layer(cap)[:1], 0, *_one_layer(cap)[1:])
+    first = CaptureWriter(tmp_path, max_files=3, max_bytes=2**30, run="run-a")
+    a = [first.write(f"step{i:06d}-L0-tp0", cap.meta, tensors) for i in range(2)]
+    before = {p: p.read_bytes() for p in a}
+    second = CaptureWriter(tmp_path, max_files=3, max_bytes=2**30, run="run-b")
+    with caplog.at_level(logging.INFO, logger="kdtree"):
+        b = [second.write(f"step{i:06d}-L0-tp0", cap.meta, tensors) for i in range(2)]
+    assert b[0] is not None and b[0] not in a and b[1] is None and not second.enabled  # 2 there + 1 = the budget of 3
+    assert all(p.read_bytes() == data for p, data in before.items())
+    assert "2 files" in caplog.text and "already in" in caplog.text and "KDTREE_CAPTURE_MAX_FILES" in caplog.text
+    assert CaptureWriter(tmp_path, 9, 2**30).run != CaptureWriter(tmp_path, 9, 2**30, run="x").run
+
+
+def test_a_full_disk_stops_capture_once_whatever_the_error_type(tmp_path, monkeypatch, caplog):
+    """safetensors reports a full disk as its own SafetensorError, not an OSError: capture stops at the first
+    failure, says so once, and leaves no temporary file; later layers are not tried."""
+    import safetensors
+
+    from kdtree import capture as capture_module
+    from kdtree.sglang import log
+
+    cap = load(next(p for p in SHIPPED if p.stem == "server-chain16"))
+    tensors = capture_tensors(*_one_layer(cap)[:1], 0, *_one_layer(cap)[1:])
+    calls = []
+
+    def full(*args, **kwargs):
+        calls.append(1)
+        raise safetensors.SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(capture_module, "save_file", full)
+    monkeypatch.setattr(log, "_said", set())
+    w = CaptureWriter(tmp_path, max_files=9, max_bytes=2**30)
+    with caplog.at_level(logging.WARNING, logger="kdtree"):
+        assert [w.write(f"s{i}", cap.meta, tensors) for i in range(5)] == [None] * 5
+    assert len(calls) == 1 and not w.enabled and list(tmp_path.iterdir()) == []
+    (line,) = [r.getMessage() for r in caplog.records if "capture stopped" in r.getMessage()]
+    assert "SafetensorError" in line and "StorageFull" in line and "serving goes on" in line
 
 
 def test_the_plugin_entry_point_is_installed_and_loads_without_sglang():

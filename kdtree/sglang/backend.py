@@ -471,4 +471,4 @@ class KdtreeAttnBackend(TritonAttnBackend):
             sglang_version=_sglang_version(),
         )
         tensors = capture_tensors(batch, layer.layer_id, q.view(-1, H, HEAD_DIM), o.view(-1, H, V_HEAD_DIM), pool)
-        self.capture.write(f"step{batch.step:06d}-L{layer.layer_id}-tp{self.tp_rank}.safetensors", meta, tensors)
+        self.capture.write(f"step{batch.step:06d}-L{layer.layer_id}-tp{self.tp_rank}", meta, tensors)

@@ -8,6 +8,8 @@ capture stops (`CaptureWriter.enabled`), so a full disk or an unwritable directo
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,9 +57,16 @@ def capture_tensors(batch: VerifyBatch, layer_id: int, q: torch.Tensor, o: torch
     }
 
 
+def run_tag() -> str:
+    """What makes this process's capture files its own: the start time and the process id (a restarted server, a
+    second DP replica or TP rank writing into the same folder never replaces another's file)."""
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+
+
 @dataclass
 class CaptureWriter:
-    """Writes capture files into `directory` until `max_files` files or `max_bytes` bytes are written."""
+    """Writes capture files into `directory` until it holds `max_files` files or `max_bytes` bytes, counting the
+    capture files already there (another run's, another process's). Each name gets this writer's `run` tag."""
 
     directory: Path
     max_files: int
@@ -66,39 +75,70 @@ class CaptureWriter:
     bytes: int = 0
     enabled: bool = True
     written: list[Path] = field(default_factory=list)
+    run: str = field(default_factory=run_tag)
+    counted: bool = False
 
     def _stop(self, key: str, why: str) -> None:
         self.enabled = False
         log.once(f"capture:{key}", f"capture stopped: {why}; serving goes on")
 
+    def _count_existing(self) -> None:
+        """The capture files already in the folder count toward both budgets (looked at up to the file budget)."""
+        self.counted = True
+        try:
+            with os.scandir(self.directory) as it:
+                for entry in it:
+                    if entry.name.endswith(".safetensors") and entry.is_file(follow_symlinks=False):
+                        self.files += 1
+                        self.bytes += entry.stat(follow_symlinks=False).st_size
+                        if self.files > self.max_files:
+                            break
+        except FileNotFoundError:
+            return
+        except OSError as e:  # the write below says why, once
+            log.once("capture:scan", f"capture: cannot list {self.directory} ({type(e).__name__}: {e})")
+            return
+        if self.files:
+            log.once(
+                "capture:existing",
+                f"capture: {self.files} files ({self.bytes:,} B) already in {self.directory} count toward the budgets",
+                logging.INFO,
+            )
+
     def write(self, name: str, meta: CaptureMeta, tensors: dict) -> Path | None:
-        """Validate and write `directory/name`; None (and capture stopped, logged once) when it cannot."""
+        """Validate and write `directory/name` with the run tag before its suffix (`step000005-L0-tp0` becomes
+        `step000005-L0-tp0-20261207T231500-4242.safetensors`); None (and capture stopped, said once) when it
+        cannot. Nothing raises into the server: any failure to build or write a file stops capture."""
         if not self.enabled:
             return None
+        if not self.counted:
+            self._count_existing()
         if self.files >= self.max_files:
-            self._stop("files", f"{self.files} files written to {self.directory}, the KDTREE_CAPTURE_MAX_FILES budget")
+            self._stop("files", f"{self.directory} holds {self.files} capture files, the KDTREE_CAPTURE_MAX_FILES budget")
             return None
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         if self.bytes + size > self.max_bytes:
             self._stop(
                 "bytes",
                 f"the next file ({size:,} B) would take {self.directory} past KDTREE_CAPTURE_MAX_BYTES "
-                f"({self.bytes:,} of {self.max_bytes:,} B written)",
+                f"({self.bytes:,} of {self.max_bytes:,} B there)",
             )
             return None
-        path = self.directory / name
+        stem = name.removesuffix(".safetensors")
+        path = self.directory / f"{stem}-{self.run}.safetensors"
         try:
             cap = Capture.from_tensors(meta, tensors)
             self.directory.mkdir(parents=True, exist_ok=True)
             save(cap, path, private=True)  # 0600: activations derived from users' prompts
+            written = path.stat().st_size
         except CaptureError as e:
             self._stop("invalid", f"the step did not make a valid capture ({e})")
             return None
-        except OSError as e:
-            self._stop("os", f"cannot write {path} ({type(e).__name__}: {e})")
+        except Exception as e:  # noqa: BLE001 - a full disk is an OSError or safetensors' own error: either stops capture
+            self._stop("write", f"cannot write {path} ({type(e).__name__}: {e})")
             return None
         self.files += 1
-        self.bytes += path.stat().st_size
+        self.bytes += written
         self.written.append(path)
         log.once("capture:first", f"capture: writing to {self.directory} ({path.name} first)", logging.INFO)
         return path
