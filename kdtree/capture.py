@@ -9,6 +9,7 @@ so a kernel sees SGLang's original slot numbering in a rebuilt pool whose other 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 from dataclasses import dataclass, field
@@ -376,5 +377,8 @@ def save(capture: Capture, path: str | os.PathLike, *, private: bool = False) ->
     # one metadata key: safetensors does not keep the order of several, and files must be reproducible
     metadata = {"kdtree": header_json(capture.meta)}
     with atomic_path(path, private=private) as tmp:
-        save_file(capture.tensor_dict(), str(tmp), metadata=metadata)
+        try:
+            save_file(capture.tensor_dict(), str(tmp), metadata=metadata)
+        except SafetensorError as e:  # its I/O errors (a full disk) are its own type: an OSError naming the file
+            raise OSError(errno.EIO, f"cannot write ({e})", str(path)) from e
     return path

@@ -65,9 +65,20 @@ def _flush_stdout() -> bool:
         return False
 
 
+def _bug_or_pipe(e: BaseException):
+    """Raised inside `except`: stdout closed by its reader -> exit 141, quietly; anything else is a bug -> its
+    traceback, a line asking to report it, exit 3."""
+    if isinstance(e, BrokenPipeError) and _stdout_gone():  # a write found stdout closed by its reader
+        raise typer.Exit(PIPE_CLOSED_EXIT) from None
+    traceback.print_exc()
+    typer.echo(BUG_HINT, err=True)
+    raise typer.Exit(BUG_EXIT) from None
+
+
 def exit_codes(fn):
-    """Bad input (BadInput) -> one line on stderr and exit 2; any other exception is a bug -> its traceback, a
-    line asking to report it, exit 3. An IndexError or KeyError is a bug too: bad input is checked and raised as
+    """Bad input (BadInput) -> one line on stderr and exit 2, and so is an OSError naming a file (a full disk, a
+    read-only folder, a file too big: the machine's refusal, not kdtree's bug); any other exception is a bug -> its
+    traceback, a line asking to report it, exit 3. An IndexError or KeyError is a bug too: bad input is checked and raised as
     BadInput where it is read, never inferred from an exception's type. Stdout closed by its reader (`| head`) is
     neither: exit 141, quietly, unless a bad input or a bug was already on its way out."""
 
@@ -83,12 +94,14 @@ def exit_codes(fn):
             _flush_stdout()
             typer.echo(f"kdtree: error: {e}", err=True)
             raise typer.Exit(BAD_INPUT_EXIT) from None
+        except OSError as e:
+            if e.filename is None or isinstance(e, BrokenPipeError):  # no file named: a bug (or stdout's pipe, below)
+                return _bug_or_pipe(e)
+            _flush_stdout()  # a file the machine would not let kdtree read or write (full disk, read-only, too big)
+            typer.echo(f"kdtree: error: {e.filename}: {e.strerror or e}", err=True)
+            raise typer.Exit(BAD_INPUT_EXIT) from None
         except Exception as e:
-            if isinstance(e, BrokenPipeError) and _stdout_gone():  # a write found stdout closed by its reader
-                raise typer.Exit(PIPE_CLOSED_EXIT) from None
-            traceback.print_exc()
-            typer.echo(BUG_HINT, err=True)
-            raise typer.Exit(BUG_EXIT) from None
+            _bug_or_pipe(e)
         if not _flush_stdout():
             raise typer.Exit(PIPE_CLOSED_EXIT)
         return result

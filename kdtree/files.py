@@ -56,10 +56,14 @@ def read_small_text(path: str | os.PathLike, limit: int = SMALL_FILE_BYTES) -> s
 def atomic_path(path: str | os.PathLike, *, private: bool = False) -> Iterator[Path]:
     """A temporary path beside `path` to write; when the block ends, it is fsynced, given the mode a plain open()
     would give (`private`: 0600, owner only) and renamed over `path`, and the folder is fsynced. An exception in
-    the block or in any of that removes the temporary file and propagates; `path` is then as it was."""
+    the block or in any of that removes the temporary file and propagates (an OSError naming `path` where it named
+    no file); `path` is then as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        _raise_naming(e, path)
     os.close(fd)
     try:
         yield Path(tmp)
@@ -72,8 +76,10 @@ def atomic_path(path: str | os.PathLike, *, private: bool = False) -> Iterator[P
             os.umask(umask)
             os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            _raise_naming(e, path)
         raise
     with contextlib.suppress(OSError):  # the rename's durability; a folder that cannot be opened loses nothing
         dfd = os.open(path.parent, os.O_RDONLY)
@@ -81,6 +87,13 @@ def atomic_path(path: str | os.PathLike, *, private: bool = False) -> Iterator[P
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+def _raise_naming(e: OSError, path: Path):
+    """Raised inside `except`: `e` as it is where it names a file, else the same error naming `path`."""
+    if e.filename is None:
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+    raise e
 
 
 def write_text_atomic(path: str | os.PathLike, text: str, *, private: bool = False) -> Path:

@@ -291,7 +291,7 @@ def test_a_full_disk_stops_capture_once_whatever_the_error_type(tmp_path, monkey
         assert [w.write(f"s{i}", cap.meta, tensors) for i in range(5)] == [None] * 5
     assert len(calls) == 1 and not w.enabled and list(tmp_path.iterdir()) == []
     (line,) = [r.getMessage() for r in caplog.records if "capture stopped" in r.getMessage()]
-    assert "SafetensorError" in line and "StorageFull" in line and "serving goes on" in line
+    assert "StorageFull" in line and "serving goes on" in line
 
 
 def test_the_plugin_entry_point_is_installed_and_loads_without_sglang():
