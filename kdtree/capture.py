@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -37,7 +38,7 @@ from kdtree.format import (  # noqa: F401 - the format's names, re-exported wher
 from kdtree.surgery import select_requests
 from kdtree.trees import depths as tree_depths
 from kdtree.trees import parents_from_mask
-from kdtree.validate import validate_capture
+from kdtree.validate import check_finite, validate_capture
 
 
 @dataclass
@@ -87,22 +88,71 @@ class CaptureMeta:
         def bad(msg: str) -> CaptureError:
             return CaptureError(where, None, f"metadata: {msg}")
 
-        for name in ("num_heads", "pool_size", "page_size", "kv_lora_rank", "qk_rope_head_dim", "tp_size"):
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name, most in LIMITS.items():
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise bad(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            if not integer(v) or not 1 <= v <= most:
+                raise bad(f"{name} must be a whole number from 1 to {most:,}, got {v!r}")
+        if (self.kv_lora_rank, self.qk_rope_head_dim) != (KV_LORA_RANK, QK_ROPE_HEAD_DIM):
+            raise bad(
+                f"kv_lora_rank {self.kv_lora_rank} and qk_rope_head_dim {self.qk_rope_head_dim}: the verify kernel takes "
+                f"MLA's {KV_LORA_RANK} and {QK_ROPE_HEAD_DIM} (q/k {KV_LORA_RANK + QK_ROPE_HEAD_DIM}, v {KV_LORA_RANK})"
+            )
+        if not integer(self.tp_rank) or not 0 <= self.tp_rank < self.tp_size:
             raise bad(f"tp_rank {self.tp_rank!r} must lie in [0, tp_size={self.tp_size})")
-        if not isinstance(self.sm_scale, (int, float)) or not self.sm_scale > 0:
-            raise bad(f"sm_scale must be > 0, got {self.sm_scale!r}")
-        if not isinstance(self.logit_cap, (int, float)) or self.logit_cap < 0:
-            raise bad(f"logit_cap must be >= 0 (0 = off), got {self.logit_cap!r}")
-        if not self.layer_ids or not all(isinstance(x, int) and x >= 0 for x in self.layer_ids):
-            raise bad(f"layer_ids must be a non-empty list of layer numbers, got {self.layer_ids!r}")
+        if not _real(self.sm_scale) or not self.sm_scale > 0:
+            raise bad(f"sm_scale must be a finite number > 0, got {self.sm_scale!r}")
+        if not _real(self.logit_cap) or self.logit_cap < 0:
+            raise bad(f"logit_cap must be a finite number >= 0 (0 = off), got {self.logit_cap!r}")
+        if not isinstance(self.layer_ids, list) or not self.layer_ids or len(self.layer_ids) > MAX_LAYER_ID:
+            raise bad(f"layer_ids must be a non-empty list of layer numbers, got {self.layer_ids!r:.80}")
+        if not all(integer(x) and 0 <= x <= MAX_LAYER_ID for x in self.layer_ids):
+            raise bad(f"layer_ids must be layer numbers from 0 to {MAX_LAYER_ID}, got {self.layer_ids!r:.80}")
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise bad(f"layer_ids has duplicates: {self.layer_ids}")
-        if not isinstance(self.source, dict) or "kind" not in self.source:
+        if not isinstance(self.source, dict) or not isinstance(self.source.get("kind"), str):
             raise bad("source must be an object with a 'kind' ('sglang' or 'synthetic')")
+        for name in ("model", "spec_algorithm", "reference", "sglang_version"):
+            v = getattr(self, name)
+            if not (isinstance(v, str) or (v is None and name == "sglang_version")) or len(v or "") > 1024:
+                raise bad(f"{name} must be a string of at most 1024 characters, got {type(v).__name__}")
+        for name in ("tree_budget", "num_draft_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not integer(v) or not 0 <= v <= 1 << 20):
+                raise bad(f"{name} must be a whole number >= 0 or null, got {v!r}")
+
+
+KV_LORA_RANK, QK_ROPE_HEAD_DIM = 512, 64  # the MLA widths of every model kdtree serves, and the kernel's
+MAX_LAYER_ID = 4096
+# the largest value of each size in a capture's metadata: SGLang's slots are int32; pages, heads and ranks far
+# past any model's
+LIMITS = {
+    "num_heads": 1024,
+    "pool_size": 2**31 - 1,
+    "page_size": 4096,
+    "kv_lora_rank": 1 << 16,
+    "qk_rope_head_dim": 1 << 16,
+    "tp_size": 1024,
+}
+MAX_POOL_BYTES = 1 << 30  # Capture.pool's default bound (KDTREE_MAX_POOL_BYTES)
+
+
+POOL_SLACK = 1024
+
+
+def _max_pool_bytes() -> int:
+    raw = os.environ.get("KDTREE_MAX_POOL_BYTES", "")
+    if not raw:
+        return MAX_POOL_BYTES
+    if not raw.isdigit() or len(raw) > 18:
+        raise BadInput(f"KDTREE_MAX_POOL_BYTES={raw[:40]!r}: expected a whole number of bytes")
+    return int(raw)
+
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class _Tensors:
@@ -168,11 +218,21 @@ class Layer:
 
     @property
     def o(self) -> torch.Tensor:
-        return self._get("o")
+        """The output the capture's reference produced: CaptureError on first read if it holds a NaN or an inf (a
+        reference that is no reference; checked here, not at load, so opening a capture reads no output)."""
+        return self._checked("o")
 
     @property
     def lse(self) -> torch.Tensor | None:
-        return self._get("lse")
+        return self._checked("lse")
+
+    def _checked(self, name: str) -> torch.Tensor | None:
+        t = self._get(name)
+        key = layer_key(self.layer_id, name)
+        if t is not None and key not in self.capture._finite:
+            check_finite(self.capture, self.layer_id, name, t)
+            self.capture._finite.add(key)
+        return t
 
     @property
     def kv_buffer_rows(self) -> torch.Tensor:
@@ -187,6 +247,7 @@ class Capture:
         self.meta = meta
         self._tensors = tensors
         self.path = path
+        self._finite: set[str] = set()  # tensors found finite on first read (Layer.o, Layer.lse)
 
     # ----- construction -------------------------------------------------------------------------
     @classmethod
@@ -299,11 +360,29 @@ class Capture:
         return tree_depths(self.parents(b))
 
     # ----- the pool -----------------------------------------------------------------------------
-    def pool(self, layer_id: int, device: str | torch.device = "cpu") -> torch.Tensor:
-        """kv_buffer as SGLang had it, [pool_size + page_size, 1, 576] bf16; slots the step does not
-        reference are NaN, so a kernel that reads a wrong slot shows it."""
+    def pool_rows(self) -> int:
+        """Rows of the rebuilt pool: SGLang's numbering up to the highest stored slot, plus POOL_SLACK NaN rows (a
+        read just past the highest slot shows as NaN too), never past pool_size + page_size. Not pool_size itself:
+        a server's pool of 262,144 slots whose step reads 600 would cost 300 MB a layer, and a small file could
+        claim any pool_size."""
         m = self.meta
-        buf = torch.full((m.pool_size + m.page_size, 1, m.head_dim), float("nan"), dtype=torch.bfloat16, device=device)
+        top = int(self.kv_buffer_slots.max()) + 1 if self.kv_buffer_slots.numel() else 1
+        return min(m.pool_size + m.page_size, top + POOL_SLACK)
+
+    def pool(self, layer_id: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        """kv_buffer as SGLang had it, [pool_rows(), 1, 576] bf16 with SGLang's slot numbering; slots the step
+        does not reference are NaN, so a kernel that reads a wrong slot shows it. CaptureError where those rows
+        would pass KDTREE_MAX_POOL_BYTES (default 1 GiB)."""
+        m = self.meta
+        rows, limit = self.pool_rows(), _max_pool_bytes()
+        if rows * m.head_dim * 2 > limit:
+            raise CaptureError(
+                self.where,
+                POOL_SLOTS,
+                f"slot {rows - POOL_SLACK - 1:,} makes a pool of {rows * m.head_dim * 2:,} B, more than "
+                f"KDTREE_MAX_POOL_BYTES={limit:,} (raise it to diff this capture)",
+            )
+        buf = torch.full((rows, 1, m.head_dim), float("nan"), dtype=torch.bfloat16, device=device)
         buf[self.kv_buffer_slots.to(device)] = self.layer(layer_id).kv_buffer_rows.to(device)
         return buf
 

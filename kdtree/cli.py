@@ -258,16 +258,18 @@ def diff(
             raise BadInput("--impl cuda runs the kernel on a GPU, not with --device cpu")
     if not tol > 0:
         raise BadInput(f"--tol must be > 0, got {tol}")
-    loaded = [load(p) for p in _capture_paths(captures)]  # validate every capture before running anything
-    for cap in loaded:
+    paths, total = _capture_paths(captures), 0
+    for p in paths:  # validate every capture before running anything; then one capture in memory at a time
+        ids = load(p).meta.layer_ids
         for lid in layer or []:
-            if lid not in cap.meta.layer_ids:
-                raise BadInput(f"{cap.where}: --layer {lid} not in the capture's layers {cap.meta.layer_ids}")
-    total = sum(len(layer or cap.meta.layer_ids) for cap in loaded)
+            if lid not in ids:
+                raise BadInput(f"{p}: --layer {lid} not in the capture's layers {ids}")
+        total += len(layer or ids)
     report, all_passed = [], True
     with _progress(total, f"diff {impl} vs {ref}") as progress:
         task = progress.task_ids[0]
-        for cap in loaded:
+        for p in paths:
+            cap = load(p)
             if not as_json:
                 typer.echo(f"{cap.where}  impl={impl} ref={ref}" + (f" inject={inject}" if inject else ""))
 

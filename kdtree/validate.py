@@ -197,10 +197,13 @@ class _Checker:
         ocl = cap.out_cache_loc.long()
         if ocl.unique().numel() != ocl.numel():
             raise self.fail("out_cache_loc", "a slot appears twice: every draft token has its own slot")
-        for b in range(self.bs):
-            pre = cap.prefix_slots(b).long()
-            if pre.unique().numel() != pre.numel():
-                raise self.fail("kv_indices", f"request {b}: a prefix slot appears twice")
+        kv = cap.kv_indices.long()
+        if kv.numel() > 1:  # (request, slot) pairs sorted: a pair twice is a prefix slot twice in one request
+            req = torch.repeat_interleave(torch.arange(self.bs), cap.prefix_lens)
+            pairs = (req * limit + kv).sort().values
+            dup = pairs[1:] == pairs[:-1]
+            if bool(dup.any()):
+                raise self.fail("kv_indices", f"request {int(pairs[1:][dup][0]) // limit}: a prefix slot appears twice")
         overlap = torch.isin(ocl, cap.kv_indices.long())
         if bool(overlap.any()):
             i = int(overlap.nonzero()[0])
@@ -212,22 +215,46 @@ class _Checker:
         mask = cap.custom_mask
         if mask.dtype == torch.uint8 and bool((mask > 1).any()):
             raise self.fail("custom_mask", "uint8 mask holds values other than 0 and 1")
-        for b in range(self.bs):
-            problem = tree_block_problem(cap.tree_block(b))
-            if problem:
-                raise self.fail("custom_mask", f"request {b}: draft block is not a well-formed tree: {problem}")
+        broken = (first_broken_tree(blocks, requests) for requests, blocks in self.tree_blocks())
+        bad = [b for b in broken if b is not None]
+        if bad:
+            b = min(bad)
+            raise self.fail(
+                "custom_mask", f"request {b}: draft block is not a well-formed tree: {tree_block_problem(cap.tree_block(b))}"
+            )
+
+    def tree_blocks(self):
+        """(request ids, their [B, N, N] draft blocks) for each N in the batch, gathered at once: the work is
+        the mask's size, however many requests there are (no loop over requests)."""
+        cap = self.cap
+        n, prefix, start = cap.num_draft, cap.prefix_lens, cap.mask_indptr.long()[:-1]
+        mask = cap.custom_mask.bool()
+        for N in n.unique().tolist():
+            b = (n == N).nonzero().flatten()
+            i = torch.arange(N)
+            at = start[b, None, None] + i[None, :, None] * (prefix[b, None, None] + N) + prefix[b, None, None] + i[None, None, :]
+            yield b, mask[at]
 
     def check_positions(self) -> None:
         cap = self.cap
         if cap.positions is None:
             return
         pos = cap.positions.long()
-        for b in range(self.bs):
-            want = int(cap.prefix_lens[b]) + torch.as_tensor(cap.depths(b))
-            got = pos[int(cap.qo_indptr[b]) : int(cap.qo_indptr[b + 1])]
-            if not torch.equal(got, want):
-                i = int((got != want).nonzero()[0])
-                raise self.fail("positions", f"request {b} node {i}: {int(got[i])}, expected prefix_len + depth = {int(want[i])}")
+        qo = cap.qo_indptr.long()
+        worst = None
+        for b, blocks in self.tree_blocks():
+            N = blocks.shape[1]
+            want = cap.prefix_lens[b, None] + blocks.sum(2) - 1  # depth: the ancestors a node sees, itself aside
+            got = pos[qo[b, None] + torch.arange(N)[None, :]]
+            wrong = (got != want).any(1)
+            if bool(wrong.any()):
+                k = int(wrong.nonzero()[0])
+                i = int((got[k] != want[k]).nonzero()[0])
+                found = (int(b[k]), i, int(got[k, i]), int(want[k, i]))
+                worst = found if worst is None or found < worst else worst
+        if worst is not None:
+            b, i, got, want = worst
+            raise self.fail("positions", f"request {b} node {i}: {got}, expected prefix_len + depth = {want}")
 
     # -- values -----------------------------------------------------------------------------------
     def check_values(self) -> None:
@@ -235,14 +262,16 @@ class _Checker:
         ocl = cap.out_cache_loc.long()
         slots = cap.kv_buffer_slots.long()
         rows_of_ocl = torch.searchsorted(slots, ocl)
+        rows_read = torch.searchsorted(slots, torch.cat([cap.kv_indices.long(), ocl]).unique())
         for lid in self.m.layer_ids:
             layer = cap.layer(lid)
-            for name in ("q", "k"):
-                t = getattr(layer, name)
-                finite = torch.isfinite(t)
-                if not bool(finite.all()):
-                    i = int((~finite).reshape(t.shape[0], -1).any(1).nonzero()[0])
-                    raise self.fail(layer_key(lid, name), f"non-finite value in token {i}")
+            for name in ("q", "k"):  # o and lse are checked when first read (Layer.o): loading stays lazy
+                check_finite(cap, lid, name, getattr(layer, name))
+            read = layer.kv_buffer_rows[rows_read]
+            finite = torch.isfinite(read).reshape(read.shape[0], -1).all(1)
+            if not bool(finite.all()):
+                slot = int(slots[rows_read[~finite][0]])
+                raise self.fail(layer_key(lid, "kv_buffer"), f"non-finite value in the row of slot {slot}, which the step reads")
             if layer_key(lid, "v") in cap._tensors and not torch.equal(layer.v, layer.k[..., : self.m.v_head_dim]):
                 raise self.fail(layer_key(lid, "v"), "v must equal k[..., :512] (MLA: V is the latent part of K)")
             pooled = layer.kv_buffer_rows[rows_of_ocl]
@@ -254,6 +283,28 @@ class _Checker:
                     f"pool row at out_cache_loc[{i}] (slot {int(ocl[i])}) differs from k[{i}]: "
                     "SGLang writes k into the pool before attention; was the capture taken too early?",
                 )
+
+
+def check_finite(cap: Capture, layer_id: int, name: str, t: torch.Tensor) -> None:
+    """CaptureError naming the first token of `t` (a layer's q, k, o or lse) that holds a NaN or an infinity."""
+    finite = torch.isfinite(t)
+    if not bool(finite.all()):
+        i = int((~finite).reshape(t.shape[0], -1).any(1).nonzero()[0])
+        raise CaptureError(cap.where, layer_key(layer_id, name), f"non-finite value in token {i}")
+
+
+def first_broken_tree(blocks: torch.Tensor, requests: torch.Tensor) -> int | None:
+    """The lowest request id among `requests` whose [N, N] block (of `blocks`, [B, N, N]) `tree_block_problem`
+    refuses, or None: the same rules, for all B blocks at once."""
+    B, n, _ = blocks.shape
+    eye = torch.eye(n, dtype=torch.bool)
+    bad = ~blocks.diagonal(dim1=1, dim2=2).all(1) | ~blocks[:, :, 0].all(1) | torch.triu(blocks, 1).flatten(1).any(1)
+    if n > 1:
+        off = blocks & ~eye
+        parent = torch.where(off, torch.arange(n), -1).amax(2)  # [B, N]: each node's deepest visible earlier node
+        expected = torch.gather(blocks, 1, parent[:, 1:, None].clamp(min=0).expand(B, n - 1, n)) | eye[1:]
+        bad |= (expected != blocks[:, 1:]).flatten(1).any(1)
+    return int(requests[bad].min()) if bool(bad.any()) else None
 
 
 def tree_block_problem(block: torch.Tensor) -> str | None:

@@ -45,7 +45,10 @@ def lab(tmp_path_factory):
         src, dst = ROOT / name, clone / name
         if src.is_dir():
             shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.ipynb", "__pycache__", ".ipynb_checkpoints"))
+            # symlinks kept: kdtree/kernels is a link to kernels/, which the kernel notebook's edit must reach
+            shutil.copytree(
+                src, dst, symlinks=True, ignore=shutil.ignore_patterns("*.ipynb", "__pycache__", ".ipynb_checkpoints")
+            )
         else:
             shutil.copy(src, dst)
     subprocess.run(["git", "add", "-A"], cwd=clone, check=True)
