@@ -405,13 +405,29 @@ def header_json(meta: CaptureMeta, version: int = FORMAT_VERSION) -> str:
 
 
 # ----- I/O ----------------------------------------------------------------------------------------
+def _safe_open(path: Path):
+    """safetensors' memory-mapped reader. It takes only UTF-8 path strings: a file whose name is other bytes (a
+    valid capture all the same) is opened here and handed over as /proc/self/fd/N, the same file by a UTF-8 name."""
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if not os.path.exists(f"/proc/self/fd/{fd}"):
+                raise OSError(errno.ENOENT, "its name is not UTF-8, and this system has no /proc to reach it otherwise")
+            return safe_open(f"/proc/self/fd/{fd}", framework="pt")
+        finally:
+            os.close(fd)  # the mapping keeps the file
+    return safe_open(str(path), framework="pt")
+
+
 def load(path: str | os.PathLike, *, validate: bool = True) -> Capture:
     """Open a capture (memory-mapped), check it, and return it. Raises CaptureError, never writes."""
     path = Path(path)
     if not path.is_file():
         raise CaptureError(path, None, "no such file")
     try:
-        handle = safe_open(str(path), framework="pt")
+        handle = _safe_open(path)
         header = handle.metadata() or {}
     except (SafetensorError, OSError, ValueError) as e:
         raise CaptureError(path, None, f"not a readable safetensors file ({e}); truncated or not a capture?") from None

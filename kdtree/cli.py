@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kdtree.capture import load, save
-from kdtree.errors import BadInput
+from kdtree.errors import BadInput, printable
 
 app = typer.Typer(
     add_completion=False,
@@ -92,13 +92,13 @@ def exit_codes(fn):
             raise
         except BadInput as e:
             _flush_stdout()
-            typer.echo(f"kdtree: error: {e}", err=True)
+            typer.echo(f"kdtree: error: {printable(e)}", err=True)
             raise typer.Exit(BAD_INPUT_EXIT) from None
         except OSError as e:
             if e.filename is None or isinstance(e, BrokenPipeError):  # no file named: a bug (or stdout's pipe, below)
                 return _bug_or_pipe(e)
             _flush_stdout()  # a file the machine would not let kdtree read or write (full disk, read-only, too big)
-            typer.echo(f"kdtree: error: {e.filename}: {e.strerror or e}", err=True)
+            typer.echo(f"kdtree: error: {printable(e.filename)}: {printable(e.strerror or e)}", err=True)
             raise typer.Exit(BAD_INPUT_EXIT) from None
         except Exception as e:
             _bug_or_pipe(e)
@@ -271,7 +271,7 @@ def diff(
         for p in paths:
             cap = load(p)
             if not as_json:
-                typer.echo(f"{cap.where}  impl={impl} ref={ref}" + (f" inject={inject}" if inject else ""))
+                typer.echo(f"{printable(cap.where)}  impl={impl} ref={ref}" + (f" inject={inject}" if inject else ""))
 
             def show(d):
                 progress.advance(task)

@@ -8,3 +8,11 @@ from __future__ import annotations
 class BadInput(ValueError):
     """Input that cannot be used, in one line naming what and where. A ValueError, so code that catches
     ValueError from a parameter check still does."""
+
+
+def printable(text: object) -> str:
+    """`text` safe for a terminal: bytes of a file name that are not UTF-8 as \\xNN, and control characters (escape
+    sequences, newlines, carriage returns) as escapes, so a capture's metadata or name can neither forge a line
+    nor drive the terminal."""
+    s = str(text).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in s)

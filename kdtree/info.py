@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kdtree.capture import Capture
+from kdtree.errors import printable
 from kdtree.trees import branching, depths
 
 
@@ -68,9 +69,9 @@ def summarize(cap: Capture) -> dict:
 def format_summary(s: dict) -> str:
     pool = s["pool"]
     lines = [
-        f"{s['path']}",
-        f"  model {s['model']}  source {s['source']}  o from {s['reference']}  spec {s['spec_algorithm']}"
-        + (f" budget {s['tree_budget']}" if s["tree_budget"] else ""),
+        printable(s["path"]),
+        f"  model {printable(s['model'])}  source {printable(s['source'])}  o from {printable(s['reference'])}  "
+        f"spec {printable(s['spec_algorithm'])}" + (f" budget {s['tree_budget']}" if s["tree_budget"] else ""),
         f"  batch {s['batch_size']}  N {s['num_draft']}  heads {s['num_heads']}  sm_scale {s['sm_scale']:.6f}"
         + (f"  logit_cap {s['logit_cap']}" if s["logit_cap"] else "")
         + f"  layers {s['layers']}  tokens {s['num_tokens']}",
