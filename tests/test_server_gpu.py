@@ -10,10 +10,12 @@ SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1); the route that ran is printed in the he
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
 import shutil
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -206,15 +208,45 @@ def _cupy_blocked(tmp: Path) -> str:
     return str(tmp)
 
 
-@pytest.mark.parametrize("fault", ["kernel-does-not-build", "no-cupy", "capture-dir-unwritable"])
-def test_a_fault_is_logged_once_and_every_request_is_answered(model, out, fault, tmp_path):
+def _corrupt_verdict_cache(tmp: Path) -> str:
+    """A cache folder whose verdict for this GPU, driver and kernel source is malformed (`passed: false` with no
+    rows: the file that once raised out of the backend's constructor, so SGLang did not start)."""
+    from kdtree import selfcheck
+
+    key = selfcheck.current_key("cuda")
+    path = selfcheck.verdict_path(key, tmp / "cache")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": selfcheck.FORMAT, "key": dataclasses.asdict(key), "passed": False, "rows": []}))
+    return str(tmp / "cache")
+
+
+def _full_disk(tmp: Path, request) -> str:
+    """A 2 MB tmpfs: the first capture file (~3 MB) finds the disk full. Skips where this machine cannot mount."""
+    where = tmp / "full"
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip()})")
+    request.addfinalizer(lambda: subprocess.run(["umount", str(where)], check=False))
+    return str(where)
+
+
+@pytest.mark.parametrize(
+    "fault", ["kernel-does-not-build", "no-cupy", "capture-dir-unwritable", "corrupt-verdict-cache", "full-capture-disk"]
+)
+def test_a_fault_is_logged_once_and_every_request_is_answered(model, out, fault, tmp_path, request):
     """A live server with kdtree broken underneath: the kernel cannot be built (KDTREE_KERNEL_TARGET names no
-    target), CuPy is not importable, or the capture folder cannot be made. Triton serves; one line says why."""
+    target), CuPy is not importable, the capture folder cannot be made, the self-check's cached verdict is
+    malformed, the capture disk is full. The server starts and answers every request; one line says why (where the
+    verdict was malformed, the check runs again and kdtree serves)."""
     mode, env, mark = {
-        "kernel-does-not-build": ("serve", {"KDTREE_KERNEL_TARGET": "sm_999"}, "could not prepare"),
-        "no-cupy": ("serve", {"PYTHONPATH": _cupy_blocked(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}, "could not prepare"),
-        "capture-dir-unwritable": ("capture", {"KDTREE_CAPTURE_DIR": str(Path(__file__)) + "/captures"}, "capture stopped"),
+        "kernel-does-not-build": ("serve", lambda: {"KDTREE_KERNEL_TARGET": "sm_999"}, "could not prepare"),
+        "no-cupy": ("serve", lambda: {"PYTHONPATH": _cupy_blocked(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}, "could not prepare"),
+        "capture-dir-unwritable": ("capture", lambda: {"KDTREE_CAPTURE_DIR": str(Path(__file__)) + "/captures"}, "capture stopped"),
+        "corrupt-verdict-cache": ("serve", lambda: {"KDTREE_CACHE_DIR": _corrupt_verdict_cache(tmp_path), "KDTREE_SELFCHECK": "1"}, "cached verdict ignored"),
+        "full-capture-disk": ("capture", lambda: {"KDTREE_CAPTURE_DIR": _full_disk(tmp_path, request)}, "capture stopped"),
     }[fault]  # fmt: skip
+    env = env()
     s = replace(BASE, requests=12, concurrency=4, max_new_tokens=32)
     r = check.run_mode(mode, model, SPEC, s, out, name=f"fault-{fault}", env=env)
     assert r.answered == r.requests == 12
