@@ -102,3 +102,60 @@ def run_ab(captures, a: Path, b: Path = SOURCE, *, timed: bool = True) -> list[d
                     row[f"ms_{name}"] = median_ms(lambda kern=kern, o=o, lse=lse: kern.run(args, q, pool, o, lse))
             rows.append(row)
     return rows
+
+
+def ptx_changes(archs: list[str], a: Path, b: Path = SOURCE) -> list[str]:
+    """The configurations ("sm_90 blocks64") every target of `archs` may run whose PTX differs between kernel `a`
+    (say HEAD's) and `b` (the edit): empty when the edit leaves the compiled kernel as it was. No GPU needed:
+    what a CPU machine can honestly say of an edit it cannot run."""
+    from kdtree.kernel import KernelConfig, nvrtc_ptx
+
+    return [
+        f"{arch} {config.body}"
+        for arch in archs
+        for config in KernelConfig.candidates(arch)
+        if nvrtc_ptx(arch, config, source=a) != nvrtc_ptx(arch, config, source=b)
+    ]
+
+
+def model_verdict(model_passed: bool, changes: list[str] | None, ref: str = "HEAD") -> tuple[str, str]:
+    """(word, sentence): what a diff of the kernel's torch model says of the kernel on a machine where the CUDA
+    kernel cannot run. The model shares the kernel's arguments, split and merge, not its .cu: its PASS speaks for
+    the .cu only where the .cu compiles to `ref`'s PTX (`changes` empty; None: not compared). An edit that changes
+    the PTX is NOT RUN here, never PASS."""
+    if not model_passed:
+        return "FAIL", "the kernel's torch model fails the oracle: the marshaling or plan it shares with the kernel is wrong"
+    if changes is None:
+        return "MODEL PASS", "the kernel's torch model passes; the CUDA kernel did not run here (no GPU), and its PTX was not compared"
+    if not changes:
+        return "PASS", (
+            f"the kernel's torch model passes; the .cu here compiles as {ref}'s (unedited, or its PTX unchanged on every "
+            "target), and the CUDA kernel did not run here"
+        )
+    return "NOT RUN", (
+        f"the edit changes the compiled kernel ({', '.join(changes)}) and no GPU is here to run it: the torch model's "
+        "pass says nothing of the edit; diff it on a GPU (kdtree diff --impl cuda)"
+    )
+
+
+def edits_against(ref: str = "HEAD", source: Path = SOURCE) -> list[str] | None:
+    """The configurations whose PTX the working tree's edit of the kernel (`source`, in a checkout's kernels/)
+    changes against `ref` (ptx_changes over sm_120 and sm_90); [] for no edit; None where nothing can be compared
+    (no git checkout, as in an installed kdtree; no NVRTC)."""
+    repo, folder = source.parent.parent, source.parent.name
+    try:
+        r = subprocess.run(["git", "-C", str(repo), "diff", "--quiet", ref, "--", folder], capture_output=True, timeout=60)
+        if r.returncode not in (0, 1):
+            return None
+        return [] if r.returncode == 0 else ptx_changes(["sm_120", "sm_90"], committed_source(ref, repo), source)
+    except (OSError, subprocess.TimeoutExpired, ImportError, ValueError):
+        return None
+
+
+def diff_verdict(passed: bool, impl: str) -> tuple[str, str | None]:
+    """(word, note) closing a diff of `impl` against a reference: PASS or FAIL for an implementation that ran;
+    for the kernel's torch model, `model_verdict` against the working tree's kernel (what `kdtree diff` and the
+    kernel notebook print)."""
+    if impl != "model":
+        return ("PASS" if passed else "FAIL"), None
+    return model_verdict(passed, edits_against())

@@ -299,11 +299,16 @@ def diff(
                     "layers": [d.to_json() for d in results],
                 }
             )
+    from kdtree.ab import diff_verdict
+
+    # the model with a fault injected checks the harness, not the kernel: its verdict is its own
+    verdict, note = diff_verdict(all_passed, impl if inject is None else "injected")
     if as_json:
-        typer.echo(json.dumps({"passed": all_passed, "tolerance": tol, "captures": report}, indent=1))
+        typer.echo(json.dumps({"passed": all_passed, "verdict": verdict, "note": note, "tolerance": tol, "captures": report}, indent=1))
     else:
         n_layers = sum(len(r["layers"]) for r in report)
-        verdict = "PASS" if all_passed else "FAIL"
+        if note:  # before the verdict, which stays the last line
+            typer.echo(f"note: {note}")
         typer.echo(f"{verdict}: {n_layers} layer(s) of {len(report)} capture(s), tolerance rel <= {tol:g}")
     raise typer.Exit(0 if all_passed else 1)
 

@@ -16,13 +16,15 @@
 # The compile check builds every configuration sm_120 and sm_90 may run (and the present GPU's), as
 # `kdtree compile` does. Without a GPU the kernel cannot run: the notebook says so and diffs the kernel's torch
 # model instead (what `kdtree diff` runs there too: the kernel's marshaled arguments, its split
-# and merge, in torch).
+# and merge, in torch). The model never reads the `.cu`: an edit that changes the compiled kernel
+# (its PTX against `HEAD`'s) is then NOT RUN, never PASS.
 
 # %%
 from IPython.display import Image
 
 import kdtree
 from kdtree import plots
+from kdtree.ab import diff_verdict
 from kdtree.diff import DEFAULT_TOLERANCE
 from kdtree.impls import default_impl, diff_capture, gpu_available
 from kdtree.kernel import KernelConfig, compile_report, device_arch
@@ -55,7 +57,8 @@ for path in captures:
     for d in results[path.name][1]:
         print("  " + d.line() + ("" if d.passed else "  FAIL"))
 every = [d for _, ds in results.values() for d in ds]
-print(f"{'PASS' if all(d.passed for d in every) else 'FAIL'}: {len(every)} layer(s) of {len(results)} capture(s), tolerance rel <= {DEFAULT_TOLERANCE:g}")
+word, note = diff_verdict(all(d.passed for d in every), impl)  # without a GPU: what the model's verdict says of your edit
+print((f"note: {note}\n" if note else "") + f"{word}: {len(every)} layer(s) of {len(results)} capture(s), tolerance rel <= {DEFAULT_TOLERANCE:g}")
 
 # %%
 cap, diffs = next(iter(results.values()))  # the first capture's first layer
