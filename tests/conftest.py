@@ -77,6 +77,23 @@ def write_raw(path: Path, tensors: dict[str, torch.Tensor], meta: CaptureMeta, v
     return path
 
 
+NOT_A_CACHE_FILE = ("fifo", "directory", "huge", "not utf-8")
+
+
+def not_a_cache_file(path: Path, kind: str) -> Path:
+    """Put at `path` what kdtree never wrote there: a FIFO (a blocking read would hang), a folder, 2 MB, bytes that
+    are not UTF-8; "missing" leaves nothing."""
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "huge":
+        path.write_text(" " * (2 << 20))
+    elif kind == "not utf-8":
+        path.write_bytes(b"\xff\xfe{")
+    return path
+
+
 def sha(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 

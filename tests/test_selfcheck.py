@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from kdtree import selfcheck
 from kdtree.cli import app
 
-from conftest import SHIPPED
+from conftest import NOT_A_CACHE_FILE, SHIPPED, not_a_cache_file
 
 SEEDS = (17, 51)  # a DDTree at 8 heads with extreme logits, a star: ~1 s of oracle on a CPU
 
@@ -146,23 +146,14 @@ def test_a_malformed_verdict_for_this_key_is_named_and_checked_again(cache, name
     assert selfcheck.load(key) == o.verdict
 
 
-@pytest.mark.parametrize("kind", ["fifo", "directory", "huge", "binary"])
+@pytest.mark.parametrize("kind", NOT_A_CACHE_FILE)
 def test_a_special_or_oversized_file_at_the_verdicts_path_never_stalls_the_check(cache, kind):
     """A FIFO is refused without being opened for a blocking read; a directory, a 2 MB file and bytes that are not
     UTF-8 are named and checked past."""
-    import os
-
     key = selfcheck.current_key("model")
     path = selfcheck.verdict_path(key)
     path.parent.mkdir(parents=True)
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "directory":
-        path.mkdir()
-    elif kind == "huge":
-        path.write_text(" " * (2 << 20))
-    else:
-        path.write_bytes(b"\xff\xfe{")
+    not_a_cache_file(path, kind)
     with pytest.raises(selfcheck.SelfCheckError, match=str(path)):
         selfcheck.load(key)
     o = selfcheck.ensure("model", captures=[], seeds=SEEDS[:1])

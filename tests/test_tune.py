@@ -12,6 +12,8 @@ from kdtree import tune
 from kdtree.kernel import tuning
 from kdtree.kernel.tuning import CostModel, Timed, TuneError, TuningFile
 
+from conftest import NOT_A_CACHE_FILE, not_a_cache_file
+
 TRUE = CostModel({"wgmma64": 1.0, "mma64": 1.5, "mma32": 0.9}, {"wgmma64": 7.0, "mma64": 8.0, "mma32": 3.0})
 US_PER_UNIT, LAUNCH_US = 1.7, 9.0
 
@@ -136,21 +138,11 @@ def test_the_planner_loads_this_gpus_tuning_file_and_ignores_a_foreign_one(tmp_p
     assert tuning.active_tuning("GPU A", 188, "sm_120", env) is None  # none for that target: the shipped model, silently
 
 
-@pytest.mark.parametrize("kind", ["fifo", "directory", "huge", "not utf-8", "missing"])
+@pytest.mark.parametrize("kind", [*NOT_A_CACHE_FILE, "missing"])
 def test_a_tuning_file_that_is_no_file_is_said_and_ignored(tmp_path, caplog, kind):
     """KDTREE_TUNING naming a FIFO (which once hung the planner's reader), a folder, a 2 MB file, bytes that are not
     UTF-8 or nothing: one warning naming the file and why; the shipped cost model plans."""
-    import os
-
-    path = tmp_path / "tune.json"
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "directory":
-        path.mkdir()
-    elif kind == "huge":
-        path.write_text(" " * (2 << 20))
-    elif kind == "not utf-8":
-        path.write_bytes(b"\xff{")
+    path = not_a_cache_file(tmp_path / "tune.json", kind)
     tuning._active.clear()
     with caplog.at_level("WARNING", logger="kdtree"):
         assert tuning.active_tuning("GPU A", 188, "sm_90", {"KDTREE_TUNING": str(path)}) is None
