@@ -126,7 +126,10 @@ def model_verdict(model_passed: bool, changes: list[str] | None, ref: str = "HEA
     if not model_passed:
         return "FAIL", "the kernel's torch model fails the oracle: the marshaling or plan it shares with the kernel is wrong"
     if changes is None:
-        return "MODEL PASS", "the kernel's torch model passes; the CUDA kernel did not run here (no GPU), and its PTX was not compared"
+        return (
+            "MODEL PASS",
+            "the kernel's torch model passes; the CUDA kernel did not run here (no GPU), and its PTX was not compared",
+        )
     if not changes:
         return "PASS", (
             f"the kernel's torch model passes; the .cu here compiles as {ref}'s (unedited, or its PTX unchanged on every "

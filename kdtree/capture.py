@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from kdtree.errors import BadInput
-from kdtree.files import atomic_path
+from kdtree.files import atomic_path, parse_json
 from kdtree.format import (  # noqa: F401 - the format's names, re-exported where they were always imported from
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -102,10 +102,10 @@ class CaptureMeta:
             )
         if not integer(self.tp_rank) or not 0 <= self.tp_rank < self.tp_size:
             raise bad(f"tp_rank {self.tp_rank!r} must lie in [0, tp_size={self.tp_size})")
-        if not _real(self.sm_scale) or not self.sm_scale > 0:
-            raise bad(f"sm_scale must be a finite number > 0, got {self.sm_scale!r}")
-        if not _real(self.logit_cap) or self.logit_cap < 0:
-            raise bad(f"logit_cap must be a finite number >= 0 (0 = off), got {self.logit_cap!r}")
+        if not _real(self.sm_scale) or not 0 < self.sm_scale <= MAX_SM_SCALE:
+            raise bad(f"sm_scale must be a finite number > 0 and <= {MAX_SM_SCALE}, got {self.sm_scale!r:.40}")
+        if not _real(self.logit_cap) or not 0 <= self.logit_cap <= MAX_LOGIT_CAP:
+            raise bad(f"logit_cap must be a finite number from 0 (off) to {MAX_LOGIT_CAP:g}, got {self.logit_cap!r:.40}")
         if not isinstance(self.layer_ids, list) or not self.layer_ids or len(self.layer_ids) > MAX_LAYER_ID:
             raise bad(f"layer_ids must be a non-empty list of layer numbers, got {self.layer_ids!r:.80}")
         if not all(integer(x) and 0 <= x <= MAX_LAYER_ID for x in self.layer_ids):
@@ -136,7 +136,10 @@ LIMITS = {
     "qk_rope_head_dim": 1 << 16,
     "tp_size": 1024,
 }
-MAX_POOL_BYTES = 1 << 30  # Capture.pool's default bound (KDTREE_MAX_POOL_BYTES)
+MAX_POOL_BYTES = 512 << 20  # Capture.pool's default bound (KDTREE_MAX_POOL_BYTES)
+# past these no fp32 attention holds its logits (layer.scaling is ~0.07-0.15, caps ~30-50 where used): a value
+# beyond them is bad input, not a kernel's mismatch
+MAX_SM_SCALE, MAX_LOGIT_CAP = 16.0, 1e4
 
 
 POOL_SLACK = 1024
@@ -146,13 +149,19 @@ def _max_pool_bytes() -> int:
     raw = os.environ.get("KDTREE_MAX_POOL_BYTES", "")
     if not raw:
         return MAX_POOL_BYTES
-    if not raw.isdigit() or len(raw) > 18:
-        raise BadInput(f"KDTREE_MAX_POOL_BYTES={raw[:40]!r}: expected a whole number of bytes")
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 15:
+        raise BadInput(f"KDTREE_MAX_POOL_BYTES={raw[:40]!r}: expected a whole number of bytes below 10^15")
     return int(raw)
 
 
 def _real(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A JSON number that is a finite float (a 400-digit integer is none: math.isfinite would overflow)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 class _Tensors:
@@ -375,14 +384,18 @@ class Capture:
         would pass KDTREE_MAX_POOL_BYTES (default 1 GiB)."""
         m = self.meta
         rows, limit = self.pool_rows(), _max_pool_bytes()
+        top = int(self.kv_buffer_slots.max()) if self.kv_buffer_slots.numel() else 0
         if rows * m.head_dim * 2 > limit:
             raise CaptureError(
                 self.where,
                 POOL_SLOTS,
-                f"slot {rows - POOL_SLACK - 1:,} makes a pool of {rows * m.head_dim * 2:,} B, more than "
+                f"slot {top:,} makes a pool of {rows * m.head_dim * 2:,} B, more than "
                 f"KDTREE_MAX_POOL_BYTES={limit:,} (raise it to diff this capture)",
             )
-        buf = torch.full((rows, 1, m.head_dim), float("nan"), dtype=torch.bfloat16, device=device)
+        try:
+            buf = torch.full((rows, 1, m.head_dim), float("nan"), dtype=torch.bfloat16, device=device)
+        except (RuntimeError, MemoryError) as e:  # torch's out-of-memory, on the host or the GPU
+            raise CaptureError(self.where, POOL_SLOTS, f"slot {top:,} needs a pool of {rows * m.head_dim * 2:,} B: {e}") from None
         buf[self.kv_buffer_slots.to(device)] = self.layer(layer_id).kv_buffer_rows.to(device)
         return buf
 
@@ -425,14 +438,14 @@ def load(path: str | os.PathLike, *, validate: bool = True) -> Capture:
     """Open a capture (memory-mapped), check it, and return it. Raises CaptureError, never writes."""
     path = Path(path)
     if not path.is_file():
-        raise CaptureError(path, None, "no such file")
+        raise CaptureError(path, None, "not a regular file" if path.exists() else "no such file")
     try:
         handle = _safe_open(path)
         header = handle.metadata() or {}
     except (SafetensorError, OSError, ValueError) as e:
         raise CaptureError(path, None, f"not a readable safetensors file ({e}); truncated or not a capture?") from None
     try:
-        head = json.loads(header["kdtree"])
+        head = parse_json(header["kdtree"])
         if not isinstance(head, dict):
             raise ValueError
     except (KeyError, ValueError):

@@ -191,6 +191,8 @@ def synth(
 
     if output.exists() and not force:
         raise BadInput(f"{output} exists; pass --force to overwrite it")
+    if (output.exists() or output.is_symlink()) and not output.is_file():
+        raise BadInput(f"{output} is not a regular file: kdtree replaces only a capture file, even with --force")
     spec = SynthSpec(
         preset=preset,
         batch_size=batch,
@@ -256,8 +258,8 @@ def diff(
             raise BadInput(f"--device {device}: this machine has no CUDA GPU")
         if device == "cpu" and "cuda" in (impl, ref):
             raise BadInput("--impl cuda runs the kernel on a GPU, not with --device cpu")
-    if not tol > 0:
-        raise BadInput(f"--tol must be > 0, got {tol}")
+    if not 0 < tol < float("inf"):
+        raise BadInput(f"--tol must be a finite number > 0, got {tol}")
     paths, total = _capture_paths(captures), 0
     for p in paths:  # validate every capture before running anything; then one capture in memory at a time
         ids = load(p).meta.layer_ids
@@ -304,7 +306,9 @@ def diff(
     # the model with a fault injected checks the harness, not the kernel: its verdict is its own
     verdict, note = diff_verdict(all_passed, impl if inject is None else "injected")
     if as_json:
-        typer.echo(json.dumps({"passed": all_passed, "verdict": verdict, "note": note, "tolerance": tol, "captures": report}, indent=1))
+        typer.echo(
+            json.dumps({"passed": all_passed, "verdict": verdict, "note": note, "tolerance": tol, "captures": report}, indent=1)
+        )
     else:
         n_layers = sum(len(r["layers"]) for r in report)
         if note:  # before the verdict, which stays the last line
@@ -409,7 +413,7 @@ def plan_(
     if as_json:
         typer.echo(json.dumps(reports, indent=1))
     else:
-        typer.echo("\n\n".join(format_report(f"{r['batch']}: {title}", r) for r in reports))
+        typer.echo("\n\n".join(format_report(f"{printable(r['batch'])}: {title}", r) for r in reports))
 
 
 @command()

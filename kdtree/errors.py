@@ -14,5 +14,12 @@ def printable(text: object) -> str:
     """`text` safe for a terminal: bytes of a file name that are not UTF-8 as \\xNN, and control characters (escape
     sequences, newlines, carriage returns) as escapes, so a capture's metadata or name can neither forge a line
     nor drive the terminal."""
-    s = str(text).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in s)
+    out = []
+    for c in str(text):
+        if "\udc80" <= c <= "\udcff":  # a byte of a file name that is not UTF-8 (Python's surrogateescape)
+            out.append(f"\\x{ord(c) - 0xDC00:02x}")
+        elif c.isprintable():
+            out.append(c)
+        else:  # control characters, lone surrogates
+            out.append(c.encode("unicode_escape", "backslashreplace").decode("ascii"))
+    return "".join(out)

@@ -6,6 +6,7 @@ renamed over the path, the folder fsynced), and a failed write leaves no tempora
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 import tempfile
@@ -79,7 +80,7 @@ def atomic_path(path: str | os.PathLike, *, private: bool = False) -> Iterator[P
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(e, OSError):
-            _raise_naming(e, path)
+            _raise_naming(e, path, tmp)
         raise
     with contextlib.suppress(OSError):  # the rename's durability; a folder that cannot be opened loses nothing
         dfd = os.open(path.parent, os.O_RDONLY)
@@ -89,11 +90,21 @@ def atomic_path(path: str | os.PathLike, *, private: bool = False) -> Iterator[P
             os.close(dfd)
 
 
-def _raise_naming(e: OSError, path: Path):
-    """Raised inside `except`: `e` as it is where it names a file, else the same error naming `path`."""
-    if e.filename is None:
+def _raise_naming(e: OSError, path: Path, tmp: str | None = None):
+    """Raised inside `except`: `e` where it names a file of the user's, else the same error naming `path` (the
+    file that could not be written), not the temporary file nobody asked for."""
+    if e.filename is None or e.filename == tmp:
         raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     raise e
+
+
+def parse_json(text: str):
+    """json.loads, with what it raises for hostile text (nesting past the recursion limit, a number too large for
+    a float) as ValueError, the error any malformed JSON gives."""
+    try:
+        return json.loads(text)
+    except (RecursionError, OverflowError) as e:
+        raise ValueError(f"JSON nested or sized past what kdtree reads ({type(e).__name__})") from None
 
 
 def write_text_atomic(path: str | os.PathLike, text: str, *, private: bool = False) -> Path:

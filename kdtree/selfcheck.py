@@ -21,7 +21,8 @@ from pathlib import Path
 
 from kdtree.cache import cache_dir
 from kdtree.diff import DEFAULT_TOLERANCE
-from kdtree.files import UnreadableFile, read_small_text, write_text_atomic
+from kdtree.errors import printable
+from kdtree.files import UnreadableFile, parse_json, read_small_text, write_text_atomic
 
 FORMAT = "kdtree-selfcheck/1"
 FUZZ_SEEDS = (0, 2, 6, 9, 17, 32, 42, 51)  # every tree kind, 8-128 heads, N 64-1025, extreme logits
@@ -112,9 +113,13 @@ def _finite(d, name: str, *, nan_ok: bool = False) -> float:
     value = d[name] if isinstance(d, dict) else None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    try:
+        value = float(value)  # a 400-digit integer: OverflowError
+    except OverflowError:
+        raise ValueError(f"{name}: past any float") from None
     if not (math.isfinite(value) and value >= 0) and not (nan_ok and math.isnan(value)):
         raise ValueError(f"{name}: {value} is not a finite number >= 0")
-    return float(value)
+    return value
 
 
 def _row(r) -> Row:
@@ -177,7 +182,7 @@ def load(key: Key, directory: Path | None = None) -> Verdict | None:
         text = read_small_text(path)
         if text is None:
             return None
-        verdict = Verdict.from_json(json.loads(text))
+        verdict = Verdict.from_json(parse_json(text))
     except UnreadableFile as e:
         raise SelfCheckError(str(e)) from e
     except ValueError as e:  # json's errors
@@ -300,13 +305,15 @@ def ensure(
 def format_verdict(v: Verdict, cached_at: Path | None = None) -> str:
     k = v.key
     lines = [
-        f"self-check of {k.impl} on {k.gpu} ({k.capability}, {k.driver}), kernel source {k.source_hash}"
-        + (f", target {k.target}" if k.target and k.target != k.capability else ""),
+        printable(
+            f"self-check of {k.impl} on {k.gpu} ({k.capability}, {k.driver}), kernel source {k.source_hash}"
+            + (f", target {k.target}" if k.target and k.target != k.capability else "")
+        ),
         f"{'batch':34s} {'layers':>6s} {'worst rel':>10s}  verdict",
     ]
-    lines += [f"{r.name:34s} {r.layers:6d} {r.worst_rel:10.2e}  {'PASS' if r.passed else 'FAIL'}" for r in v.rows]
+    lines += [f"{printable(r.name):34s} {r.layers:6d} {r.worst_rel:10.2e}  {'PASS' if r.passed else 'FAIL'}" for r in v.rows]
     lines.append(
         f"{'PASS' if v.passed else 'FAIL'}: {sum(r.passed for r in v.rows)} of {len(v.rows)} within rel <= {v.tolerance:g} "
-        f"({v.seconds:.1f} s, {v.checked_at})" + (f"; cached in {cached_at}" if cached_at else "")
+        f"({v.seconds:.1f} s, {printable(v.checked_at)})" + (f"; cached in {printable(cached_at)}" if cached_at else "")
     )
     return "\n".join(lines)

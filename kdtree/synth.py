@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kdtree import __version__
-from kdtree.capture import POOL_SLOTS, Capture, CaptureMeta, layer_key
+from kdtree.capture import MAX_LAYER_ID, MAX_LOGIT_CAP, POOL_SLOTS, Capture, CaptureMeta, layer_key
 from kdtree.errors import BadInput
 from kdtree.presets import get_preset
 from kdtree.reference import oracle
@@ -30,6 +31,10 @@ SPEC_ALGORITHM = {"ddtree": "DDTREE", "eagle": "EAGLE", "chain": "DFLASH", "star
 DEFAULT_TOPK = {"ddtree": 8, "eagle": 4}
 DEFAULT_DEPTH = {"ddtree": 15, "eagle": 5}
 LATENT, ROPE = 512, 64
+
+
+# what a synthetic capture may ask for: past these the file, the mask or the oracle's work outgrows a workbench
+MAX_BATCH, MAX_LAYERS, MAX_KEYS, MAX_MASK, MAX_POOL_SLOTS = 1024, 64, 1 << 21, 1 << 28, 1 << 24
 
 
 @dataclass
@@ -82,10 +87,27 @@ class SynthSpec:
             raise BadInput(f"num_draft_tokens must lie in [1, 4097], got {s.num_draft_tokens}")
         s.topk = s.topk or DEFAULT_TOPK.get(s.tree, 0) or None
         s.max_depth = s.max_depth or DEFAULT_DEPTH.get(s.tree) or None
-        if not s.layers or len(set(s.layers)) != len(s.layers) or min(s.layers) < 0:
-            raise BadInput(f"layers must be distinct layer numbers >= 0, got {s.layers}")
-        if s.logit_cap < 0:
-            raise BadInput("logit_cap must be >= 0")
+        if not s.layers or len(set(s.layers)) != len(s.layers) or min(s.layers) < 0 or max(s.layers) > MAX_LAYER_ID:
+            raise BadInput(f"layers must be distinct layer numbers from 0 to {MAX_LAYER_ID}, got {s.layers!s:.80}")
+        if len(s.layers) > MAX_LAYERS:
+            raise BadInput(f"layers: {len(s.layers)} layers; a synthetic capture holds at most {MAX_LAYERS}")
+        if not math.isfinite(s.logit_cap) or not 0 <= s.logit_cap <= MAX_LOGIT_CAP:
+            raise BadInput(f"logit_cap must be a finite number from 0 (off) to {MAX_LOGIT_CAP:g}, got {s.logit_cap}")
+        if not 0 <= s.seed < 2**32:
+            raise BadInput(f"seed must lie in [0, 2^32), got {s.seed}")
+        for name in ("topk", "max_depth"):
+            if getattr(s, name) is not None and not 1 <= getattr(s, name) <= 64:
+                raise BadInput(f"{name} must lie in [1, 64], got {getattr(s, name)}")
+        if s.batch_size > MAX_BATCH:
+            raise BadInput(f"batch_size must be at most {MAX_BATCH}, got {s.batch_size}")
+        n = s.num_draft_tokens
+        if sum(p + n for p in s.prefix_lens) > MAX_KEYS or sum(n * (p + n) for p in s.prefix_lens) > MAX_MASK:
+            raise BadInput(
+                f"the batch reads {sum(p + n for p in s.prefix_lens):,} keys with a mask of "
+                f"{sum(n * (p + n) for p in s.prefix_lens):,} bits: at most {MAX_KEYS:,} and {MAX_MASK:,} (the oracle's work)"
+            )
+        if s.pool_size is not None and not 1 <= s.pool_size <= MAX_POOL_SLOTS:
+            raise BadInput(f"pool_size must lie in [1, {MAX_POOL_SLOTS:,}], got {s.pool_size}")
         return s
 
 

@@ -59,6 +59,7 @@ class _Checker:
         return CaptureError(self.cap.where, tensor, msg)
 
     def run(self) -> None:
+        self.m.check(self.cap.where)  # again for a capture built in memory (synth, a server's capture)
         self.check_names()
         self.check_headers()
         self.check_indptrs()
@@ -268,10 +269,13 @@ class _Checker:
             for name in ("q", "k"):  # o and lse are checked when first read (Layer.o): loading stays lazy
                 check_finite(cap, lid, name, getattr(layer, name))
             read = layer.kv_buffer_rows[rows_read]
-            finite = torch.isfinite(read).reshape(read.shape[0], -1).all(1)
-            if not bool(finite.all()):
-                slot = int(slots[rows_read[~finite][0]])
-                raise self.fail(layer_key(lid, "kv_buffer"), f"non-finite value in the row of slot {slot}, which the step reads")
+            sane = (read.float().abs() <= MAX_ACTIVATION).reshape(read.shape[0], -1).all(1)  # False for NaN too
+            if not bool(sane.all()):
+                slot = int(slots[rows_read[~sane][0]])
+                raise self.fail(
+                    layer_key(lid, "kv_buffer"),
+                    f"a non-finite value or one past +-{MAX_ACTIVATION:g} in the row of slot {slot}, which the step reads",
+                )
             if layer_key(lid, "v") in cap._tensors and not torch.equal(layer.v, layer.k[..., : self.m.v_head_dim]):
                 raise self.fail(layer_key(lid, "v"), "v must equal k[..., :512] (MLA: V is the latent part of K)")
             pooled = layer.kv_buffer_rows[rows_of_ocl]
@@ -285,12 +289,17 @@ class _Checker:
                 )
 
 
+MAX_ACTIVATION = 1e6  # |q|, |k|, a pool row's entries: past this a 576-term fp32 dot product leaves no room
+
+
 def check_finite(cap: Capture, layer_id: int, name: str, t: torch.Tensor) -> None:
-    """CaptureError naming the first token of `t` (a layer's q, k, o or lse) that holds a NaN or an infinity."""
-    finite = torch.isfinite(t)
-    if not bool(finite.all()):
-        i = int((~finite).reshape(t.shape[0], -1).any(1).nonzero()[0])
-        raise CaptureError(cap.where, layer_key(layer_id, name), f"non-finite value in token {i}")
+    """CaptureError naming the first token of `t` (a layer's q, k, o or lse) that holds a NaN or an infinity, or (q
+    and k) a value past +-MAX_ACTIVATION, which no attention in fp32 computes faithfully."""
+    ok = torch.isfinite(t) if name in ("o", "lse") else t.float().abs() <= MAX_ACTIVATION
+    if not bool(ok.all()):
+        i = int((~ok).reshape(t.shape[0], -1).any(1).nonzero()[0])
+        what = "non-finite value" if name in ("o", "lse") else f"non-finite value or one past +-{MAX_ACTIVATION:g}"
+        raise CaptureError(cap.where, layer_key(layer_id, name), f"{what} in token {i}")
 
 
 def first_broken_tree(blocks: torch.Tensor, requests: torch.Tensor) -> int | None:

@@ -177,7 +177,7 @@ BROKEN = {
     "index out of range": "kv_indices: entry 3 is slot",
     "mask too short": "custom_mask: length",
     "out_cache_loc overlaps prefix": "out_cache_loc: entry 2",
-    "NaN in q": "layers.0.q: non-finite value in token 4",
+    "NaN in q": "layers.0.q: non-finite value or one past +-1e+06 in token 4",
     "missing tensor": "layers.0.o: missing tensor",
     "unknown format version": "unknown format version 7",
     "non-topological tree": "request 2: draft block is not a well-formed tree: node 1 sees node 3",

@@ -108,7 +108,7 @@ HOSTILE = {
     "model a number": (_meta(model=123), 2, 2, "model must be a string"),
     "tree_budget a string": (_meta(tree_budget="8"), 2, 2, "tree_budget must be a whole number"),
     "NaN in o": (_tensor("layers.0.o", _nan_at(5000)), 0, 2, "layers.0.o: non-finite value in token"),
-    "NaN in a pool row read": (_tensor("layers.0.kv_buffer", _nan_pool_row), 2, 2, "non-finite value in the row of slot"),
+    "NaN in a pool row read": (_tensor("layers.0.kv_buffer", _nan_pool_row), 2, 2, "in the row of slot"),
 }
 
 
@@ -223,3 +223,141 @@ def test_a_file_name_that_is_not_utf8_is_read_and_shown_as_bytes(tmp_path):
     r = CliRunner().invoke(app, ["info", str(tmp_path)])
     assert r.exit_code == 0, r.output
     assert f"{tmp_path}/\\xffbad.safetensors" in r.output and f"{tmp_path}/good.safetensors" in r.output
+
+
+# ----- a hostile-input hunt's findings (a helper's run of ~1,000 hostile files and values) ---------------
+def _raw_header(tmp_path, edit) -> str:
+    """The base capture written again with its metadata JSON text edited by `edit` (no dataclass in between)."""
+    from safetensors.torch import save_file
+
+    from kdtree.capture import header_json
+
+    t, m = _base()
+    path = tmp_path / "raw.safetensors"
+    save_file({k: v.contiguous() for k, v in t.items()}, str(path), metadata={"kdtree": edit(header_json(m))})
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "name,edit,rule",
+    [
+        (
+            "JSON nested 100,000 deep",
+            lambda s: s.replace('"kind": "synthetic"', '"kind": "synthetic", "x": ' + "[" * 100000 + "]" * 100000),
+            "not a kdtree capture",
+        ),
+        (
+            "a 401-digit sm_scale",
+            lambda s: s.replace('"sm_scale": 0.130861', '"sm_scale": 1' + "0" * 400),
+            "sm_scale must be a finite number",
+        ),
+        (
+            "sm_scale 1e308",
+            lambda s: s.replace('"sm_scale": 0.130861', '"sm_scale": 1e308'),
+            "sm_scale must be a finite number > 0 and <= 16",
+        ),
+        ("logit_cap 1e308", lambda s: s.replace('"logit_cap": 0.0', '"logit_cap": 1e308'), "logit_cap must be a finite number"),
+    ],
+)
+def test_metadata_that_breaks_parsers_or_arithmetic_is_named(tmp_path, name, edit, rule):
+    path = _raw_header(tmp_path, edit)
+    for argv in (["info", path], ["diff", path, "--impl", "model"]):
+        r = CliRunner().invoke(app, argv)
+        assert r.exit_code == 2 and rule in r.output and "Traceback" not in r.output, (name, r.output[-400:])
+
+
+def test_a_lone_surrogate_in_metadata_prints_escaped(tmp_path):
+    path = _raw_header(tmp_path, lambda s: s.replace('"model": "Kimi-K2.x"', '"model": "\\ud800"'))
+    r = CliRunner().invoke(app, ["info", path])
+    assert r.exit_code == 0 and "model \\ud800" in r.output, r.output
+
+
+def test_activations_no_fp32_attention_holds_are_bad_input_not_a_kernel_fail(tmp_path):
+    """q of 3.3e38 (a finite bf16) overflowed every implementation, so diff said FAIL (exit 1) for no kernel."""
+    from conftest import write_raw
+
+    t, m = _base()
+    t["layers.0.q"] = torch.full_like(t["layers.0.q"], 3.3e38)
+    path = write_raw(tmp_path / "q.safetensors", t, m)
+    r = CliRunner().invoke(app, ["diff", str(path), "--impl", "model"])
+    assert r.exit_code == 2 and "layers.0.q: non-finite value or one past" in r.output, r.output
+
+
+def test_the_pool_bound_is_parsed_as_ascii_and_names_the_top_slot(tmp_path, monkeypatch):
+    from conftest import write_raw
+
+    t, m = _base()
+    path = write_raw(tmp_path / "c.safetensors", t, m)
+    monkeypatch.setenv("KDTREE_MAX_POOL_BYTES", "²")
+    r = CliRunner().invoke(app, ["diff", str(path), "--impl", "model"])
+    assert r.exit_code == 2 and "KDTREE_MAX_POOL_BYTES" in r.output, r.output
+    monkeypatch.setenv("KDTREE_MAX_POOL_BYTES", "0")
+    r = CliRunner().invoke(app, ["diff", str(path), "--impl", "model"])
+    assert r.exit_code == 2 and f"slot {int(t['kv_buffer_slots'].max()):,} makes a pool" in r.output, r.output
+
+
+@pytest.mark.parametrize(
+    "options,rule",
+    [
+        (["--seed", "-1"], "seed must lie in"),
+        (["--topk", "-1"], "topk must lie in [1, 64]"),
+        (["--topk", "1000000000"], "topk must lie in [1, 64]"),
+        (["--max-depth", "1000000000"], "max_depth must lie in [1, 64]"),
+        (["--pool-size", "2000000000"], "pool_size must lie in"),
+        (["--batch", "1000000000"], "batch_size must be at most"),
+        (["--layers", "99999"], "layers must be distinct layer numbers from 0 to"),
+        (["--logit-cap", "nan"], "logit_cap must be a finite number"),
+        (["--prefix", "1048576", "--batch", "4"], "the batch reads"),
+    ],
+)
+def test_synth_refuses_what_would_exhaust_the_machine_and_writes_nothing(tmp_path, options, rule):
+    out = tmp_path / "s.safetensors"
+    r = CliRunner().invoke(app, ["synth", "-o", str(out), "--budget", "8", *options])
+    assert r.exit_code == 2 and rule in r.output and "Traceback" not in r.output, r.output
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_synth_names_its_output_and_replaces_only_a_regular_file(tmp_path):
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    r = CliRunner().invoke(app, [*SYNTH, "--force", "-o", str(folder)])
+    assert r.exit_code == 2 and f"{folder} is not a regular file" in r.output, r.output
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    r = CliRunner().invoke(app, [*SYNTH, "--force", "-o", str(fifo)])
+    assert r.exit_code == 2 and "not a regular file" in r.output and fifo.is_fifo()
+
+
+def test_a_forged_verdict_row_prints_escaped_and_huge_numbers_are_refused(tmp_path, monkeypatch):
+    """A cached verdict whose row name forges a PASS line prints with its control characters escaped; one whose
+    tolerance is a 401-digit integer, or that is nested 100,000 deep, is ignored by name and checked again."""
+    import json
+
+    from kdtree import selfcheck
+
+    monkeypatch.setenv("KDTREE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(selfcheck.SKIP_VAR, raising=False)
+    good = selfcheck.ensure("model", captures=[], seeds=(17,)).verdict.to_json()
+    path = selfcheck.verdict_path(selfcheck.current_key("model"))
+    path.write_text(json.dumps({**good, "rows": [{**good["rows"][0], "name": "\x1b[31mX\nPASS: everything fine\r"}]}))
+    text = selfcheck.format_verdict(selfcheck.load(selfcheck.current_key("model")))
+    assert "\x1b" not in text and "\nPASS: everything fine" not in text and "\\nPASS: everything fine\\r" in text
+    for body in (json.dumps(good).replace('"tolerance": 0.01', '"tolerance": 1' + "0" * 400), "[" * 100000 + "]" * 100000):
+        path.write_text(body)
+        o = selfcheck.ensure("model", captures=[], seeds=(17,))
+        assert o.verdict.passed and o.notes and o.notes[0].startswith("cached verdict ignored"), o.notes
+
+
+@pytest.mark.parametrize(
+    "body", ["[" * 100000 + "]" * 100000, '{"format": "kdtree-tune/1", "gpu": "G", "sms": Infinity}', "long name"]
+)
+def test_a_tuning_file_that_breaks_parsers_is_said_and_ignored(tmp_path, caplog, body):
+    from kdtree.kernel import tuning
+
+    path = tmp_path / ("x" * 300 if body == "long name" else "tune.json")
+    if body != "long name":
+        path.write_text(body)
+    tuning._active.clear()
+    with caplog.at_level("WARNING", logger="kdtree"):
+        assert tuning.active_tuning("G", 132, "", {"KDTREE_TUNING": str(path)}) is None
+    assert "tuning file not used" in caplog.text

@@ -152,6 +152,11 @@ def test_settings_from_the_environment():
         ({"KDTREE_LAYERS": "0-99999999999"}, "KDTREE_LAYERS"),
         ({"KDTREE_LAYERS": "1,,2"}, "KDTREE_LAYERS"),
         ({"KDTREE_LAYERS": "1," * 5000}, "KDTREE_LAYERS"),
+        ({"KDTREE_LAYERS": "0-"}, "KDTREE_LAYERS"),
+        ({"KDTREE_EVERY": "\u0661"}, "KDTREE_EVERY"),
+        ({"KDTREE_CAPTURE_MAX_FILES": "1_000"}, "KDTREE_CAPTURE_MAX_FILES"),
+        ({"KDTREE_CAPTURE_DIR": "a\0b"}, "KDTREE_CAPTURE_DIR"),
+        ({"KDTREE_CAPTURE_DIR": ""}, "KDTREE_CAPTURE_DIR"),
     ]:
         with pytest.raises(SettingsError, match=name):
             Settings.from_env(env)

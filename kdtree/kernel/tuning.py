@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kdtree.files import UnreadableFile, read_small_text, write_text_atomic
+from kdtree.files import UnreadableFile, parse_json, read_small_text, write_text_atomic
 
 FORMAT = "kdtree-tune/1"
 REFERENCE_KIND = "wgmma64"  # unit costs are relative to this body's unit, as the planner's are
@@ -145,7 +145,7 @@ def load(path: Path, *, gpu: str, sms: int, source_hash: str, target: str = "") 
         text = read_small_text(path)
         if text is None:
             raise TuneError(f"{path}: no such file")
-        d = json.loads(text)
+        d = parse_json(text)
     except UnreadableFile as e:
         raise TuneError(str(e)) from e
     except ValueError as e:
@@ -166,7 +166,7 @@ def load(path: Path, *, gpu: str, sms: int, source_hash: str, target: str = "") 
         )
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in t.picks.items()):
             raise ValueError("picks must map shape classes to plan labels (strings)")
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise TuneError(f"{path}: corrupt (a field is missing or malformed: {type(e).__name__}: {e})") from e
     if (t.gpu, t.sms, t.target) != (gpu, sms, target):
         raise TuneError(
@@ -210,10 +210,10 @@ def active_tuning(gpu: str, sms: int, target: str = "", env: dict | None = None)
     key = (str(path), gpu, sms, target)
     if key not in _active:
         tuning = None
-        if path.exists() or named:
+        if named or path.exists():
             try:
                 tuning = load(path, gpu=gpu, sms=sms, source_hash=source_hash(), target=target)
-            except TuneError as e:
+            except (TuneError, OSError) as e:  # OSError: a name the system refuses (too long)
                 logging.getLogger("kdtree").warning("[kdtree] tuning file not used: %s; the shipped cost model plans", e)
         _active[key] = tuning
     return _active[key]

@@ -95,7 +95,7 @@ class CaptureWriter:
                             break
         except FileNotFoundError:
             return
-        except OSError as e:  # the write below says why, once
+        except (OSError, ValueError) as e:  # the write below says why, once
             log.once("capture:scan", f"capture: cannot list {self.directory} ({type(e).__name__}: {e})")
             return
         if self.files:

@@ -58,8 +58,8 @@ def _id_set(name: str, raw: str) -> IdRanges | None:
     ranges = []
     for part in raw.split(","):
         part = part.strip()
-        lo, _, hi = part.partition("-")
-        if not (lo.isdigit() and (hi.isdigit() or not hi) and lo.isascii() and hi.isascii()):
+        lo, dash, hi = part.partition("-")
+        if not (_digits(lo) and (_digits(hi) or not dash)):
             raise SettingsError(f"{name}={raw!r}: expected 'all' or ids and ranges such as 0,30-32") from None
         a, b = int(lo), int(hi) if hi else int(lo)
         if b < a or b > MAX_ID:
@@ -68,10 +68,15 @@ def _id_set(name: str, raw: str) -> IdRanges | None:
     return IdRanges(tuple(ranges))
 
 
+def _digits(s: str) -> bool:
+    return s.isascii() and s.isdigit()
+
+
 def _number(name: str, raw: str, kind=int, minimum=0, maximum=MAX_ID):
-    """A finite number in [minimum, maximum]; SettingsError naming the variable otherwise (inf, nan, 1e400, junk)."""
-    if len(raw) > 64:
-        raise SettingsError(f"{name}: {len(raw)} characters is no number")
+    """A finite number in [minimum, maximum], written in ASCII without underscores; SettingsError naming the
+    variable otherwise (inf, nan, 1e400, junk)."""
+    if len(raw) > 64 or not raw.strip().isascii() or "_" in raw:
+        raise SettingsError(f"{name}={raw[:64]!r}: expected a number in ASCII digits")
     try:
         value = kind(raw)
     except (ValueError, OverflowError):
@@ -79,6 +84,12 @@ def _number(name: str, raw: str, kind=int, minimum=0, maximum=MAX_ID):
     if not math.isfinite(value) or not minimum <= value <= maximum:
         raise SettingsError(f"{name}={raw!r}: must be a finite number from {minimum} to {maximum:g}")
     return value
+
+
+def _folder(name: str, raw: str) -> Path:
+    if not raw.strip() or "\0" in raw or len(raw) > MAX_SETTING_CHARS:
+        raise SettingsError(f"{name}={raw[:80]!r}: expected a folder's path (not empty, no NUL)")
+    return Path(raw)
 
 
 def _bytes(name: str, raw: str) -> int:
@@ -115,7 +126,7 @@ class Settings:
             ranks=_id_set("KDTREE_RANKS", env.get("KDTREE_RANKS", "0")),
             every=_number("KDTREE_EVERY", env.get("KDTREE_EVERY", "1"), int, 1),
             tolerance=_number("KDTREE_TOLERANCE", env.get("KDTREE_TOLERANCE", "5e-3"), float, 0, 1e6),
-            capture_dir=Path(env.get("KDTREE_CAPTURE_DIR", "kdtree-captures")),
+            capture_dir=_folder("KDTREE_CAPTURE_DIR", env.get("KDTREE_CAPTURE_DIR", "kdtree-captures")),
             capture_max_files=_number("KDTREE_CAPTURE_MAX_FILES", env.get("KDTREE_CAPTURE_MAX_FILES", "16"), int, 1),
             capture_max_bytes=_bytes("KDTREE_CAPTURE_MAX_BYTES", env.get("KDTREE_CAPTURE_MAX_BYTES", "1G")),
         )
