@@ -131,17 +131,26 @@ def test_a_hostile_capture_is_bad_input_never_a_bug_or_a_kernel_fail(tmp_path, n
 
 
 def _run_bounded(argv: list[str]) -> tuple[int, str, float, int]:
-    """(exit, output, seconds, peak resident bytes) of `kdtree argv` in its own process."""
-    import resource
+    """(exit, output, seconds, peak resident bytes) of `kdtree argv` in its own process, the peak that process's
+    alone (os.wait4's rusage: RUSAGE_CHILDREN would count every earlier child of the test run, a browser too)."""
     import subprocess
     import sys
+    import tempfile
+    import threading
     import time
 
-    t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "kdtree", *argv], capture_output=True, text=True, timeout=120)
-    took = time.perf_counter() - t
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child so far
-    return r.returncode, r.stdout + r.stderr, took, peak
+    with tempfile.TemporaryFile() as out:
+        t = time.perf_counter()
+        p = subprocess.Popen([sys.executable, "-m", "kdtree", *argv], stdout=out, stderr=subprocess.STDOUT)
+        killer = threading.Timer(120, p.kill)
+        killer.start()
+        try:
+            _, status, usage = os.wait4(p.pid, 0)
+        finally:
+            killer.cancel()
+        took = time.perf_counter() - t
+        out.seek(0)
+        return os.waitstatus_to_exitcode(status), out.read().decode(errors="replace"), took, usage.ru_maxrss * 1024
 
 
 def test_a_pool_size_claim_costs_nothing_and_a_far_slot_is_refused_by_name(tmp_path):
