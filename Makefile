@@ -63,6 +63,7 @@ lock:
 # kdtree's wheel in dist/ (the kernel sources inside): what a server's environment installs (tools/wheel_check.sh
 # installs one into a clean environment and uses it from outside the checkout, as CI does)
 wheel: $(STAMP)
+	rm -rf build
 	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w dist .
 
 # ruff (configured in pyproject.toml): lint and formatting of the package, tests, tools and experiments; clang-format

@@ -10,9 +10,12 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from kdtree.kernel.config import KERNEL_DIR, SOURCE
+from kdtree.kernel.config import ARCH_LIMITS, KERNEL_DIR, SOURCE
 
 _trees: dict[str, Path] = {}
+# the targets an edit is compiled for when nothing can run it: every one kdtree has limits for (sm_90a is sm_90's
+# Hopper bodies, which sm_90's candidates include)
+EVERY_TARGET = [a for a in ARCH_LIMITS if a != "sm_90a"]
 
 
 def committed_source(ref: str = "HEAD", repo: Path = KERNEL_DIR.parent) -> Path:
@@ -132,8 +135,8 @@ def model_verdict(model_passed: bool, changes: list[str] | None, ref: str = "HEA
         )
     if not changes:
         return "PASS", (
-            f"the kernel's torch model passes; the .cu here compiles as {ref}'s (unedited, or its PTX unchanged on every "
-            "target), and the CUDA kernel did not run here"
+            f"the kernel's torch model passes; the .cu here compiles as {ref}'s (unedited, or its PTX unchanged for every "
+            "target kdtree knows), and the CUDA kernel did not run here"
         )
     return "NOT RUN", (
         f"the edit changes the compiled kernel ({', '.join(changes)}) and no GPU is here to run it: the torch model's "
@@ -143,22 +146,35 @@ def model_verdict(model_passed: bool, changes: list[str] | None, ref: str = "HEA
 
 def edits_against(ref: str = "HEAD", source: Path = SOURCE) -> list[str] | None:
     """The configurations whose PTX the working tree's edit of the kernel (`source`, in a checkout's kernels/)
-    changes against `ref` (ptx_changes over sm_120 and sm_90); [] for no edit; None where nothing can be compared
-    (no git checkout, as in an installed kdtree; no NVRTC)."""
+    changes against `ref`, over every target kdtree knows (ptx_changes); [] for no edit; None where nothing can be
+    compared (kernels/ not tracked by git, as in an installed kdtree; no NVRTC). KernelCompileError where the edit
+    does not compile."""
+    from kdtree.kernel import KernelCompileError
+
     repo, folder = source.parent.parent, source.parent.name
     try:
+        tracked = subprocess.run(["git", "-C", str(repo), "ls-files", "--error-unmatch", folder], capture_output=True, timeout=60)
+        if tracked.returncode != 0:  # no checkout, or one that does not track this kernels/ (a venv inside it)
+            return None
         r = subprocess.run(["git", "-C", str(repo), "diff", "--quiet", ref, "--", folder], capture_output=True, timeout=60)
         if r.returncode not in (0, 1):
             return None
-        return [] if r.returncode == 0 else ptx_changes(["sm_120", "sm_90"], committed_source(ref, repo), source)
-    except (OSError, subprocess.TimeoutExpired, ImportError, ValueError):
+        return [] if r.returncode == 0 else ptx_changes(EVERY_TARGET, committed_source(ref, repo), source)
+    except KernelCompileError:
+        raise
+    except (OSError, subprocess.TimeoutExpired, RuntimeError, ValueError):  # RuntimeError: no NVRTC here
         return None
 
 
 def diff_verdict(passed: bool, impl: str) -> tuple[str, str | None]:
     """(word, note) closing a diff of `impl` against a reference: PASS or FAIL for an implementation that ran;
     for the kernel's torch model, `model_verdict` against the working tree's kernel (what `kdtree diff` and the
-    kernel notebook print)."""
-    if impl != "model":
+    kernel notebook print). Only PASS is a pass."""
+    from kdtree.kernel import KernelCompileError
+
+    if impl != "model" or not passed:
         return ("PASS" if passed else "FAIL"), None
-    return model_verdict(passed, edits_against())
+    try:
+        return model_verdict(passed, edits_against())
+    except KernelCompileError as e:
+        return "FAIL", f"the edited kernel does not compile: {str(e).splitlines()[0]}"

@@ -381,7 +381,7 @@ class Capture:
     def pool(self, layer_id: int, device: str | torch.device = "cpu") -> torch.Tensor:
         """kv_buffer as SGLang had it, [pool_rows(), 1, 576] bf16 with SGLang's slot numbering; slots the step
         does not reference are NaN, so a kernel that reads a wrong slot shows it. CaptureError where those rows
-        would pass KDTREE_MAX_POOL_BYTES (default 1 GiB)."""
+        would pass KDTREE_MAX_POOL_BYTES (default 512 MiB)."""
         m = self.meta
         rows, limit = self.pool_rows(), _max_pool_bytes()
         top = int(self.kv_buffer_slots.max()) if self.kv_buffer_slots.numel() else 0

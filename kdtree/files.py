@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Iterator
 
 SMALL_FILE_BYTES = 1 << 20  # a verdict, tuning file or report is a few KB
+_UMASK = os.umask(0o022)  # read once, at import (umask is process-wide: setting it later races other threads)
+os.umask(_UMASK)
 
 
 class UnreadableFile(Exception):
@@ -62,20 +64,15 @@ def atomic_path(path: str | os.PathLike, *, private: bool = False) -> Iterator[P
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        _raise_naming(e, path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:64]}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:  # it names the temporary file, which nobody asked for
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     os.close(fd)
     try:
         yield Path(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        if private:
-            os.chmod(tmp, 0o600)
-        else:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o600 if private else 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)

@@ -61,8 +61,8 @@ class SynthSpec:
         get_preset(s.preset)
         if s.tree not in TREE_KINDS:
             raise BadInput(f"tree: unknown kind {s.tree!r}; expected one of {', '.join(TREE_KINDS)}")
-        if s.batch_size < 1:
-            raise BadInput(f"batch_size must be >= 1, got {s.batch_size}")
+        if not 1 <= s.batch_size <= MAX_BATCH:
+            raise BadInput(f"batch_size must be >= 1 and at most {MAX_BATCH}, got {s.batch_size}")
         if len(s.prefix_lens) == 1:
             s.prefix_lens = s.prefix_lens * s.batch_size
         if len(s.prefix_lens) != s.batch_size:
@@ -98,8 +98,6 @@ class SynthSpec:
         for name in ("topk", "max_depth"):
             if getattr(s, name) is not None and not 1 <= getattr(s, name) <= 64:
                 raise BadInput(f"{name} must lie in [1, 64], got {getattr(s, name)}")
-        if s.batch_size > MAX_BATCH:
-            raise BadInput(f"batch_size must be at most {MAX_BATCH}, got {s.batch_size}")
         n = s.num_draft_tokens
         if sum(p + n for p in s.prefix_lens) > MAX_KEYS or sum(n * (p + n) for p in s.prefix_lens) > MAX_MASK:
             raise BadInput(

@@ -25,7 +25,9 @@ def driver_version(proc: Path = PROC_VERSION, smi: str | None = "nvidia-smi") ->
         pass
     if smi and shutil.which(smi):
         try:
-            r = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            r = subprocess.run(
+                [smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+            )
         except (OSError, subprocess.SubprocessError):
             return None
         if r.returncode == 0 and (m := re.match(r"\s*(\d+(?:\.\d+)+)", r.stdout)):

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from kdtree import ab
 from kdtree.ab import edits_against, model_verdict
 from kdtree.kernel.config import KERNEL_DIR
 
@@ -58,8 +59,25 @@ def test_kdtree_diff_on_a_cpu_does_not_say_pass_for_the_edited_kernel(checkout, 
         timeout=300,
     )
     verdict = [line for line in r.stdout.splitlines() if "layer(s) of" in line]
-    assert r.returncode == 0 and verdict and verdict[0].startswith("NOT RUN:"), r.stdout + r.stderr
+    assert r.returncode == 1 and verdict and verdict[0].startswith("NOT RUN:"), r.stdout + r.stderr
     assert "PASS:" not in r.stdout
+
+
+def test_an_edit_that_does_not_compile_fails_and_no_nvrtc_compares_nothing(checkout, monkeypatch):
+    """A kernel edit that does not compile is FAIL (it once ended `kdtree diff` in a traceback); a machine without
+    NVRTC compares nothing (MODEL PASS), never PASS."""
+    source = checkout / "kernels" / "verify_mla.cu"
+    common = checkout / "kernels" / "verify_mla_common.cuh"
+    common.write_text(common.read_text() + "\n#error an edit that does not compile\n")
+    monkeypatch.setattr(ab, "edits_against", lambda real=ab.edits_against: real(source=source))
+    word, note = ab.diff_verdict(True, "model")
+    assert word == "FAIL" and "does not compile" in note
+
+    def no_nvrtc(*args, **kwargs):
+        raise RuntimeError("cross-compiling needs NVRTC")
+
+    monkeypatch.setattr(ab, "ptx_changes", no_nvrtc)
+    assert ab.diff_verdict(True, "model")[0] == "MODEL PASS"
 
 
 def test_without_a_checkout_the_model_verdict_says_what_it_is():

@@ -130,27 +130,31 @@ def test_a_hostile_capture_is_bad_input_never_a_bug_or_a_kernel_fail(tmp_path, n
             assert rule in r.output and str(path) in r.output, r.output
 
 
+# runs `python -m kdtree ARGV` and, at exit, prints the process's peak resident memory: VmHWM, which exec resets
+# (ru_maxrss would carry the forking test process's size into the child)
+_PEAK = (
+    "import atexit, runpy, sys\n"
+    "def peak():\n"
+    "    kb = [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0]\n"
+    "    sys.stderr.write(f'\\nkdtree-peak-kb {kb}\\n')\n"
+    "atexit.register(peak)\n"
+    "sys.argv = ['kdtree', *sys.argv[1:]]\n"
+    "runpy.run_module('kdtree', run_name='__main__')\n"
+)
+
+
 def _run_bounded(argv: list[str]) -> tuple[int, str, float, int]:
-    """(exit, output, seconds, peak resident bytes) of `kdtree argv` in its own process, the peak that process's
-    alone (os.wait4's rusage: RUSAGE_CHILDREN would count every earlier child of the test run, a browser too)."""
+    """(exit, output, seconds, peak resident bytes) of `kdtree argv` in its own process."""
+    import re
     import subprocess
     import sys
-    import tempfile
-    import threading
     import time
 
-    with tempfile.TemporaryFile() as out:
-        t = time.perf_counter()
-        p = subprocess.Popen([sys.executable, "-m", "kdtree", *argv], stdout=out, stderr=subprocess.STDOUT)
-        killer = threading.Timer(120, p.kill)
-        killer.start()
-        try:
-            _, status, usage = os.wait4(p.pid, 0)
-        finally:
-            killer.cancel()
-        took = time.perf_counter() - t
-        out.seek(0)
-        return os.waitstatus_to_exitcode(status), out.read().decode(errors="replace"), took, usage.ru_maxrss * 1024
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", _PEAK, *argv], capture_output=True, text=True, timeout=120)
+    took = time.perf_counter() - t
+    peak = int(re.search(r"kdtree-peak-kb (\d+)", r.stderr).group(1)) * 1024
+    return r.returncode, r.stdout + r.stderr, took, peak
 
 
 def test_a_pool_size_claim_costs_nothing_and_a_far_slot_is_refused_by_name(tmp_path):
@@ -313,7 +317,7 @@ def test_the_pool_bound_is_parsed_as_ascii_and_names_the_top_slot(tmp_path, monk
         (["--topk", "1000000000"], "topk must lie in [1, 64]"),
         (["--max-depth", "1000000000"], "max_depth must lie in [1, 64]"),
         (["--pool-size", "2000000000"], "pool_size must lie in"),
-        (["--batch", "1000000000"], "batch_size must be at most"),
+        (["--batch", "1000000000"], "batch_size must be >= 1 and at most 1024"),
         (["--layers", "99999"], "layers must be distinct layer numbers from 0 to"),
         (["--logit-cap", "nan"], "logit_cap must be a finite number"),
         (["--prefix", "1048576", "--batch", "4"], "the batch reads"),

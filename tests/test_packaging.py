@@ -26,17 +26,26 @@ def test_the_kernel_sources_are_the_checkouts_here():
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
+    """The wheel and the sdist of a clean copy of the checkout's tracked files (setuptools reuses a checkout's
+    build/, where files of an earlier layout can linger)."""
+    import shutil
+
     out = tmp_path_factory.mktemp("dist")
-    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)]
+    src = tmp_path_factory.mktemp("src") / "kdtree"
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(ROOT), str(src)], check=True, capture_output=True)
+    for p in (ROOT / "kdtree").rglob("*.py"):  # the working tree's package, as the tests see it
+        shutil.copy(p, src / p.relative_to(ROOT))
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)]
     subprocess.run(cmd, check=True, capture_output=True, cwd=out)
     sdist = "from setuptools import build_meta; import sys; build_meta.build_sdist(sys.argv[1])"
-    subprocess.run([sys.executable, "-c", sdist, str(out)], check=True, capture_output=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-c", sdist, str(out)], check=True, capture_output=True, cwd=src)
     return next(out.glob("kdtree-*.whl")), next(out.glob("kdtree-*.tar.gz"))
 
 
 def test_the_wheel_carries_every_kernel_source(built):
     wheel, _ = built
     with zipfile.ZipFile(wheel) as z:
+        assert sorted(n.removeprefix("kdtree/kernels/") for n in z.namelist() if n.startswith("kdtree/kernels/")) == KERNEL_FILES
         for name in KERNEL_FILES:
             assert z.read(f"kdtree/kernels/{name}") == (ROOT / "kernels" / name).read_bytes(), name
         assert not [n for n in z.namelist() if n.startswith(("tests/", "data/", "notebooks/"))]

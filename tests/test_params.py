@@ -76,6 +76,7 @@ def layout_mismatches(device: str, host: type[ctypes.Structure]) -> list[str]:
     ptx, log = nvrtc_ptx_of(probe_source(device, host))
     assert ptx is not None, log
     size, *members = stored_constants(ptx)
+    assert len(members) == 2 * len(host._fields_), f"the probe stored {len(members)} values for {len(host._fields_)} members"
     problems = [f"sizeof {device}: {size}, host {ctypes.sizeof(host)}"] if size != ctypes.sizeof(host) else []
     for (name, _), offset, nbytes in zip(host._fields_, members[0::2], members[1::2]):
         field = getattr(host, name)

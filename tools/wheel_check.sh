@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# kdtree as a server image installs it: the wheel built from this checkout, installed with the cpu build's pins
+# kdtree as a server image installs it: the wheel built from this checkout's committed tree, installed with the cpu build's pins
 # (requirements/cpu.txt as constraints) and the nvrtc extra into a fresh environment, then used from a folder
 # outside any checkout: the kernels compile for sm_120 and sm_90 from the wheel's own sources, the self-check
 # passes (no GPU: the kernel's torch model), and SGLang's plugin entry point loads. CI runs it (.ci/run).
@@ -9,7 +9,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-cpu}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python3 -m pip wheel -q --no-deps -w "$work/dist" "$root"
+git clone -q --no-hardlinks "$root" "$work/src"  # the committed tree: no build/ of an earlier layout in the wheel
+python3 -m pip wheel -q --no-deps -w "$work/dist" "$work/src"
 wheel=$(ls "$work"/dist/kdtree-*.whl)
 echo "wheel_check: $(basename "$wheel"): $(python3 -m zipfile -l "$wheel" | grep -c 'kdtree/kernels/.*\.cu') kernel sources"
 python3 -m venv "$work/venv"

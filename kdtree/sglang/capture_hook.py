@@ -128,8 +128,7 @@ class CaptureWriter:
         path = self.directory / f"{stem}-{self.run}.safetensors"
         try:
             cap = Capture.from_tensors(meta, tensors)
-            self.directory.mkdir(parents=True, exist_ok=True)
-            save(cap, path, private=True)  # 0600: activations derived from users' prompts
+            save(cap, path, private=True)  # makes the folder  # 0600: activations derived from users' prompts
             written = path.stat().st_size
         except CaptureError as e:
             self._stop("invalid", f"the step did not make a valid capture ({e})")
