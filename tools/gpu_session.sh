@@ -13,7 +13,7 @@
 #  server-tests: tests/test_server_gpu.py the same way, SERVER_TESTS_K selects tests; bench-server: `kdtree bench
 #  --server` into $OUT, BENCH_SERVER_ARGS adds options; at TP 2, on two GPUs: SERVER_CHECK_ARGS="--tp 2
 #  --model-dir /tmp/tiny-model-tp2", BENCH_SERVER_ARGS="--tp 2 --heads 8")
-# (wheel: kdtree from its wheel (.dist/kdtree-*.whl, carried: `pip wheel --no-deps -w .dist .`) installed in
+# (wheel: kdtree from its wheel (.dist/kdtree-*.whl, carried: `make wheel && cp -r dist .dist`) installed in
 #  /tmp/kd-site, outside the checkout, and run from /tmp with no checkout on PYTHONPATH: `kdtree selfcheck` on the
 #  CUDA kernel, then `kdtree server-check`, its plugin found through the installed entry point; carry .whl too)
 # (selfcheck, tune (this GPU's target, sm_120's, sm_120's at half the tensor rate), report: the first-use
