@@ -603,13 +603,12 @@ def _merged_server_runs(paths: list[Path]):
     for path in paths:
         try:
             text = read_small_text(path, limit=64 << 20)
-            if text is None:
-                raise BadInput(f"--from {path}: no such file")
-            runs.append((str(path), parse_json(text)))
+            data = None if text is None else parse_json(text)
         except (UnreadableFile, ValueError) as e:
-            if isinstance(e, BadInput):
-                raise
             raise BadInput(f"--from {path}: not readable JSON ({e})") from None
+        if text is None:
+            raise BadInput(f"--from {path}: no such file")
+        runs.append((str(path), data))
     return sb.merge(runs)
 
 
